@@ -1,0 +1,327 @@
+"""A small synchronous, thread-safe client of the local sidecar's EngineService.
+
+Used by the vLLM connector (inside vLLM's processes), by simulated engines, the demo and the
+tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stubs and grpc.
+
+- Request calls have a blocking form (``submit_blocks``) and a non-blocking one
+  (``submit_blocks_async``) returning a ``grpc.Future``, so vLLM's scheduler never waits on the
+  network.
+- ``EventWatcher`` drains one worker's WatchEvents stream in a daemon thread into a queue; the
+  owner reads it without blocking (``drain``) or with a bound (``wait``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+BlockIdsLike = Sequence[Sequence[int]]
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Notice a dead sidecar on an idle WatchEvents stream within seconds.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
+def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
+    """vLLM's tuple-of-lists block ids as the proto message."""
+    if block_ids is None:
+        return common_pb2.GroupedBlockIds()
+    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in block_ids])
+
+
+def remote(
+    address: str,
+    engine_id: str,
+    request_id: str = "",
+    block_ids: BlockIdsLike | None = None,
+    tp_size: int = 0,
+    num_tokens: int = 0,
+) -> engine_pb2.RemoteBlocks:
+    return engine_pb2.RemoteBlocks(
+        address=address,
+        engine_id=engine_id,
+        request_id=request_id,
+        block_ids=grouped(block_ids),
+        tp_size=tp_size,
+        num_tokens=num_tokens,
+    )
+
+
+class SidecarClient:
+    """EngineService over the sidecar's Unix socket (or a ``host:port`` target)."""
+
+    def __init__(self, socket_path: str | Path | None = None, target: str | None = None, timeout: float = 10.0) -> None:
+        if target is None:
+            if socket_path is None:
+                raise ValueError("give socket_path or target")
+            target = f"unix:{socket_path}"
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the sidecar answers (bounded)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    # --- registration ---------------------------------------------------------------------------
+
+    def register_worker(self, request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerResponse:
+        response: engine_pb2.RegisterWorkerResponse = self.stub.RegisterWorker(request, timeout=self.timeout)
+        return response
+
+    def unregister_worker(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> engine_pb2.UnregisterWorkerResponse:
+        request = engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
+        response: engine_pb2.UnregisterWorkerResponse = self.stub.UnregisterWorker(request, timeout=self.timeout)
+        return response
+
+    def watch(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> EventWatcher:
+        return EventWatcher(self, engine_id, tp_rank, pp_rank)
+
+    # --- request calls --------------------------------------------------------------------------
+
+    @staticmethod
+    def submit_request(
+        engine_id: str,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        transfer_id: str = "",
+        num_tokens: int = 0,
+        lease_seconds: float = 0.0,
+        mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
+    ) -> engine_pb2.SubmitBlocksRequest:
+        return engine_pb2.SubmitBlocksRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            block_ids=grouped(block_ids),
+            num_tokens=num_tokens,
+            lease_seconds=lease_seconds,
+            mode=mode,  # type: ignore[arg-type]
+        )
+
+    def submit_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.SubmitBlocksResponse:
+        response: engine_pb2.SubmitBlocksResponse = self.stub.SubmitBlocks(
+            self.submit_request(*args, **kwargs), timeout=self.timeout
+        )
+        return response
+
+    def submit_blocks_async(self, *args: Any, **kwargs: Any) -> grpc.Future:
+        return self.stub.SubmitBlocks.future(self.submit_request(*args, **kwargs), timeout=self.timeout)
+
+    @staticmethod
+    def pull_request(
+        engine_id: str,
+        request_id: str,
+        local_block_ids: BlockIdsLike,
+        remote_blocks: engine_pb2.RemoteBlocks,
+        transfer_id: str = "",
+        timeout_seconds: float = 0.0,
+    ) -> engine_pb2.PullRequest:
+        return engine_pb2.PullRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            local_block_ids=grouped(local_block_ids),
+            remote=remote_blocks,
+            timeout_seconds=timeout_seconds,
+        )
+
+    def pull(self, *args: Any, **kwargs: Any) -> engine_pb2.PullResponse:
+        response: engine_pb2.PullResponse = self.stub.Pull(self.pull_request(*args, **kwargs), timeout=self.timeout)
+        return response
+
+    def pull_async(self, *args: Any, **kwargs: Any) -> grpc.Future:
+        return self.stub.Pull.future(self.pull_request(*args, **kwargs), timeout=self.timeout)
+
+    @staticmethod
+    def expect_push_request(
+        engine_id: str,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        remote_blocks: engine_pb2.RemoteBlocks,
+        transfer_id: str = "",
+        timeout_seconds: float = 0.0,
+    ) -> engine_pb2.ExpectPushRequest:
+        return engine_pb2.ExpectPushRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            block_ids=grouped(block_ids),
+            remote=remote_blocks,
+            timeout_seconds=timeout_seconds,
+        )
+
+    def expect_push(self, *args: Any, **kwargs: Any) -> engine_pb2.ExpectPushResponse:
+        response: engine_pb2.ExpectPushResponse = self.stub.ExpectPush(
+            self.expect_push_request(*args, **kwargs), timeout=self.timeout
+        )
+        return response
+
+    def expect_push_async(self, *args: Any, **kwargs: Any) -> grpc.Future:
+        return self.stub.ExpectPush.future(self.expect_push_request(*args, **kwargs), timeout=self.timeout)
+
+    def release(self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = "") -> engine_pb2.ReleaseResponse:
+        request = engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
+        response: engine_pb2.ReleaseResponse = self.stub.Release(request, timeout=self.timeout)
+        return response
+
+    def release_async(self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = "") -> grpc.Future:
+        request = engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
+        return self.stub.Release.future(request, timeout=self.timeout)
+
+    def hold_blocks(
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        conversation_id: str = "",
+        num_tokens: int = 0,
+        ttl_seconds: float = 0.0,
+    ) -> engine_pb2.HoldBlocksResponse:
+        request = engine_pb2.HoldBlocksRequest(
+            engine_id=engine_id,
+            request_id=request_id,
+            conversation_id=conversation_id,
+            block_ids=grouped(block_ids),
+            num_tokens=num_tokens,
+            ttl_seconds=ttl_seconds,
+        )
+        response: engine_pb2.HoldBlocksResponse = self.stub.HoldBlocks(request, timeout=self.timeout)
+        return response
+
+    def query_cache(
+        self, engine_id: str, address: str = "", conversation_id: str = "", request_id: str = ""
+    ) -> engine_pb2.QueryCacheResponse:
+        request = engine_pb2.QueryCacheRequest(
+            engine_id=engine_id, address=address, conversation_id=conversation_id, request_id=request_id
+        )
+        response: engine_pb2.QueryCacheResponse = self.stub.QueryCache(request, timeout=self.timeout)
+        return response
+
+    def status(self, include_requests: bool = False) -> engine_pb2.GetStatusResponse:
+        response: engine_pb2.GetStatusResponse = self.stub.GetStatus(
+            engine_pb2.GetStatusRequest(include_requests=include_requests), timeout=self.timeout
+        )
+        return response
+
+
+class EventWatcher:
+    """Drains one worker's WatchEvents stream into a queue from a daemon thread.
+
+    ``connected`` turns true at WATCH_STARTED; when the stream ends (the sidecar stopped, or it
+    dropped the worker) ``closed`` is set and ``on_closed`` runs with the reason. Events never
+    block the caller: ``drain()`` returns what arrived, ``wait()`` waits with a bound.
+    """
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        engine_id: str,
+        tp_rank: int = 0,
+        pp_rank: int = 0,
+        on_closed: Callable[[str], None] | None = None,
+        on_event: Callable[[engine_pb2.Event], None] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.sidecar_id = ""
+        self.connected = threading.Event()
+        self.closed = threading.Event()
+        self.close_reason = ""
+        self._events: queue.SimpleQueue[engine_pb2.Event] = queue.SimpleQueue()
+        self._on_closed = on_closed
+        self._on_event = on_event
+        request = engine_pb2.WatchEventsRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
+        self._call = client.stub.WatchEvents(request)
+        self._thread = threading.Thread(target=self._run, name=f"kvsidecar-events-{engine_id}-tp{tp_rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        reason = "the stream ended"
+        try:
+            for event in self._call:
+                if event.kind == engine_pb2.WATCH_STARTED:
+                    self.sidecar_id = event.sidecar_id
+                    self.connected.set()
+                    continue
+                if self._on_event is not None:
+                    self._on_event(event)
+                else:
+                    self._events.put(event)
+        except grpc.RpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        finally:
+            self.close_reason = reason
+            self.closed.set()
+            if self._on_closed is not None:
+                self._on_closed(reason)
+
+    def wait_connected(self, timeout: float) -> None:
+        if not self.connected.wait(timeout):
+            raise TimeoutError(f"WatchEvents did not start within {timeout}s ({self.close_reason or 'no answer'})")
+
+    def drain(self) -> list[engine_pb2.Event]:
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
+
+    def wait(self, timeout: float) -> engine_pb2.Event | None:
+        """The next event, or None after ``timeout`` seconds."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def wait_for(
+        self, request_ids: Iterable[str], timeout: float, kinds: Iterable[int] | None = None
+    ) -> dict[str, engine_pb2.Event]:
+        """Wait until a terminal event arrived for every request id (bounded). Other events are kept."""
+        wanted = set(request_ids)
+        allowed = set(kinds) if kinds is not None else None
+        found: dict[str, engine_pb2.Event] = {}
+        kept: list[engine_pb2.Event] = []
+        deadline = time.monotonic() + timeout
+        while wanted - found.keys():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            event = self.wait(remaining)
+            if event is None:
+                break
+            if event.request_id in wanted and (allowed is None or event.kind in allowed):
+                found[event.request_id] = event
+            else:
+                kept.append(event)
+        for event in kept:
+            self._events.put(event)
+        return found
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=5.0)

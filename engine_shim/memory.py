@@ -1,0 +1,144 @@
+"""Exporting an engine worker's KV memory to the sidecar through POSIX shared memory.
+
+``SharedBuffer`` creates a named tmpfs file under ``/dev/shm`` and maps it: the worker uses the
+mapping as its KV cache (vLLM's CPU KV buffer via ``torch.from_file``, or a GPU engine's host
+staging buffer), and the sidecar maps the same file by name. No header, no refcounting: the file
+holds exactly the KV bytes, and the worker that created it unlinks it.
+
+``kv_registration`` describes the common vLLM layout (one storage, one region per layer, each a
+slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvsidecar.v1 import common_pb2, engine_pb2
+
+SHM_DIR = Path("/dev/shm")
+
+
+class SharedBuffer:
+    """A named shared-memory file mapped read-write in this process."""
+
+    def __init__(self, size: int, name: str | None = None, directory: Path = SHM_DIR, populate: bool = False) -> None:
+        if size <= 0:
+            raise ValueError("size must be > 0")
+        self.size = size
+        self.path = directory / (name or f"kvsidecar-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def export(self, offset: int = 0, length: int | None = None) -> engine_pb2.MemoryExport:
+        return engine_pb2.MemoryExport(
+            kind=common_pb2.MEMORY_KIND_DRAM,
+            shm_path=str(self.path),
+            offset=offset,
+            length=self.size - offset if length is None else length,
+        )
+
+    def close(self, unlink: bool = True) -> None:
+        """Drop the mapping (and the file). Views of ``array`` must not be used afterwards."""
+        if unlink:
+            self.path.unlink(missing_ok=True)
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # numpy views still alive; the mapping goes with them
+
+    def __enter__(self) -> SharedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Layer-major KV: ``num_layers`` regions, each ``num_blocks`` blocks of ``block_len`` bytes."""
+
+    num_layers: int
+    num_blocks: int
+    block_len: int
+    block_size: int = 16
+    kv_layout: str = "LBHNC"
+    num_kv_heads: int = 1
+    total_num_kv_heads: int = 1
+    physical_blocks_per_logical: int = 1
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_blocks * self.block_len
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    def block_slice(self, layer: int, block: int) -> slice:
+        start = layer * self.layer_bytes + block * self.block_len
+        return slice(start, start + self.block_len)
+
+
+def kv_registration(
+    engine_id: str,
+    role: int,
+    layout: KvLayout,
+    exports: Sequence[engine_pb2.MemoryExport],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    compat_factors: Mapping[str, str] | None = None,
+    layer_names: Sequence[str] | None = None,
+    engine_version: str = "",
+) -> engine_pb2.RegisterWorkerRequest:
+    """A RegisterWorkerRequest for ``layout`` inside ``exports[0]`` (layer after layer)."""
+    names = list(layer_names) if layer_names is not None else [f"layers.{i}" for i in range(layout.num_layers)]
+    return engine_pb2.RegisterWorkerRequest(
+        engine_id=engine_id,
+        role=role,  # type: ignore[arg-type]
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        geometry=common_pb2.KvGeometry(
+            block_size=layout.block_size,
+            physical_blocks_per_logical=layout.physical_blocks_per_logical,
+            kv_layout=layout.kv_layout,
+            num_blocks=layout.num_blocks,
+            num_kv_heads=layout.num_kv_heads,
+            total_num_kv_heads=layout.total_num_kv_heads,
+        ),
+        exports=list(exports),
+        regions=[
+            engine_pb2.KvRegion(
+                name=names[layer],
+                export_index=0,
+                offset=layer * layout.layer_bytes,
+                block_len=layout.block_len,
+                block_stride=layout.block_len,
+                group_id=0,
+            )
+            for layer in range(layout.num_layers)
+        ],
+        compat_factors=dict(compat_factors or {"model": "simulated"}),
+        engine_version=engine_version,
+        pid=os.getpid(),
+    )

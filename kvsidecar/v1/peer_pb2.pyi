@@ -1,0 +1,227 @@
+from kvsidecar.v1 import common_pb2 as _common_pb2
+from kvsidecar.v1 import engine_pb2 as _engine_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RemoteRegion(_message.Message):
+    __slots__ = ("name", "base_address", "block_len", "block_stride", "group_id", "kind", "device_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_address: int
+    block_len: int
+    block_stride: int
+    group_id: int
+    kind: _common_pb2.MemoryKind
+    device_id: int
+    def __init__(self, name: _Optional[str] = ..., base_address: _Optional[int] = ..., block_len: _Optional[int] = ..., block_stride: _Optional[int] = ..., group_id: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
+
+class WorkerDescriptor(_message.Message):
+    __slots__ = ("tp_rank", "pp_rank", "agent_name", "agent_metadata", "regions", "geometry")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    pp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
+    geometry: _common_pb2.KvGeometry
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ...) -> None: ...
+
+class EngineDescriptor(_message.Message):
+    __slots__ = ("engine_id", "role", "tp_size", "pp_size", "compatibility_hash", "engine_version", "workers", "generation")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    role: _common_pb2.EngineRole
+    tp_size: int
+    pp_size: int
+    compatibility_hash: str
+    engine_version: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerDescriptor]
+    generation: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., engine_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerDescriptor, _Mapping]]] = ..., generation: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("caller", "engine_id", "compatibility_hash")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    caller: _common_pb2.SidecarInfo
+    engine_id: str
+    compatibility_hash: str
+    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., engine_id: _Optional[str] = ..., compatibility_hash: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("sidecar", "engine")
+    SIDECAR_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    sidecar: _common_pb2.SidecarInfo
+    engine: EngineDescriptor
+    def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., engine: _Optional[_Union[EngineDescriptor, _Mapping]] = ...) -> None: ...
+
+class PushRegRequest(_message.Message):
+    __slots__ = ("caller", "prefill_engine_id", "prefill_request_id", "transfer_id", "decode_engine_id", "request_id", "block_ids", "decode_tp_size", "compatibility_hash", "timeout_seconds")
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    caller: _common_pb2.SidecarInfo
+    prefill_engine_id: str
+    prefill_request_id: str
+    transfer_id: str
+    decode_engine_id: str
+    request_id: str
+    block_ids: _common_pb2.GroupedBlockIds
+    decode_tp_size: int
+    compatibility_hash: str
+    timeout_seconds: float
+    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PushRegResponse(_message.Message):
+    __slots__ = ("sidecar_id", "matched")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    matched: bool
+    def __init__(self, sidecar_id: _Optional[str] = ..., matched: _Optional[bool] = ...) -> None: ...
+
+class RequestKey(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "consumer_request_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    consumer_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., consumer_request_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("caller_sidecar_id", "engine_id", "requests")
+    CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    caller_sidecar_id: str
+    engine_id: str
+    requests: _containers.RepeatedCompositeFieldContainer[RequestKey]
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("sidecar_id", "unknown", "lease_seconds")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    unknown: _containers.RepeatedCompositeFieldContainer[RequestKey]
+    lease_seconds: float
+    def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class PeerQueryCacheRequest(_message.Message):
+    __slots__ = ("caller_sidecar_id", "engine_id", "conversation_id", "request_id")
+    CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    caller_sidecar_id: str
+    engine_id: str
+    conversation_id: str
+    request_id: str
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class PeerQueryCacheResponse(_message.Message):
+    __slots__ = ("sidecar_id", "entries")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    entries: _containers.RepeatedCompositeFieldContainer[_engine_pb2.CacheEntry]
+    def __init__(self, sidecar_id: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[_engine_pb2.CacheEntry, _Mapping]]] = ...) -> None: ...
+
+class TransferFailedRequest(_message.Message):
+    __slots__ = ("caller_sidecar_id", "engine_id", "request_id", "transfer_id", "reason")
+    CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    caller_sidecar_id: str
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    reason: str
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TransferFailedResponse(_message.Message):
+    __slots__ = ("sidecar_id", "found")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    found: bool
+    def __init__(self, sidecar_id: _Optional[str] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class PeerReleaseRequest(_message.Message):
+    __slots__ = ("caller_sidecar_id", "engine_id", "request_id", "transfer_id", "consumer_request_id", "consumed", "reason")
+    CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    caller_sidecar_id: str
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    consumer_request_id: str
+    consumed: bool
+    reason: str
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., consumer_request_id: _Optional[str] = ..., consumed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PeerReleaseResponse(_message.Message):
+    __slots__ = ("sidecar_id", "found", "in_flight")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    found: bool
+    in_flight: bool
+    def __init__(self, sidecar_id: _Optional[str] = ..., found: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
+
+class TransferNotice(_message.Message):
+    __slots__ = ("engine_id", "request_id", "expected", "sender_sidecar_id", "transfer_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    SENDER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    expected: int
+    sender_sidecar_id: str
+    transfer_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., expected: _Optional[int] = ..., sender_sidecar_id: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,123 @@
+"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``demo``, ``bench``, ``proxy``.
+
+Subcommands import their heavy modules lazily, so ``kvsidecar status`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from sidecar import __version__
+
+# Flags of `serve` that map one-to-one onto settings (flag name -> (setting, type, help)).
+_SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--engine-socket": ("engine_socket", str, "Unix socket of EngineService"),
+    "--engine-tcp-listen": ("engine_tcp_listen", str, "optional loopback HOST:PORT for EngineService"),
+    "--peer-listen": ("peer_listen", str, "HOST:PORT to bind PeerService (default 127.0.0.1:50151)"),
+    "--advertise": ("advertise", str, "HOST:PORT peers use to reach this sidecar"),
+    "--metrics-listen": ("metrics_listen", str, "HOST:PORT of the Prometheus endpoint, or 'off'"),
+    "--log-format": ("log_format", str, "auto | json | console"),
+    "--log-level": ("log_level", str, "debug | info | warning | error"),
+    "--lease-seconds": ("lease_seconds", float, "producer lease length"),
+    "--push-registration-timeout-seconds": ("push_registration_timeout_seconds", float, "push watchdog"),
+    "--transfer-timeout-seconds": ("transfer_timeout_seconds", float, "bound on one pull / one transfer"),
+    "--shutdown-grace-seconds": ("shutdown_grace_seconds", float, "graceful shutdown budget"),
+}
+
+
+def _add_serve(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the kvsidecar daemon. Settings: embedded defaults < --config TOML < KVSIDECAR_* "
+        "environment variables < flags.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML settings file (also $KVSIDECAR_CONFIG)")
+    for flag, (_, kind, text) in _SERVE_FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other setting, e.g. --set nixl.poll_interval_max_ms=2 (repeatable)",
+    )
+    parser.set_defaults(func=_serve)
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"kvsidecar: --set expects NAME=VALUE, got {item!r}")
+        target = overrides
+        parts = name.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    return overrides
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from sidecar.config import ConfigError, load_settings  # noqa: PLC0415
+    from sidecar.logs import configure_logging  # noqa: PLC0415
+
+    overrides = _parse_sets(args.set)
+    for flag, (setting, _, _) in _SERVE_FLAGS.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            overrides[setting] = value
+    try:
+        settings = load_settings(overrides, args.config)
+    except ConfigError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    from sidecar.server import serve  # noqa: PLC0415 - imports grpc and NIXL
+
+    return asyncio.run(serve(settings))
+
+
+def _add_status(subparsers: Any) -> None:
+    parser = subparsers.add_parser("status", help="show a running sidecar's engines, peers and transfers")
+    parser.add_argument("--socket", type=Path, default=None, help="engine socket (default: the serve default)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--requests", action="store_true", help="include per-request detail")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    parser.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from sidecar.status_view import fetch_status, render_json, render_tables  # noqa: PLC0415
+
+    try:
+        response = fetch_status(args.socket, args.requests, args.timeout)
+    except ConnectionError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return 1
+    print(render_json(response) if args.json else render_tables(response))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving")
+    parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve(subparsers)
+    _add_status(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""The consumer side of a node: a local engine receiving KV from a producer.
+
+- Pull: handshake the producer's sidecar (cached), READ the producer's blocks into the local
+  blocks with one notification per transfer, then FINISHED_RECEIVING to every local worker, or
+  LOAD_FAILED with the block ids. A full prefix hit reads nothing and only tells the producer.
+- Push: handshake, then ``PushReg`` to the producer's sidecar; the producer's WRITEs arrive with
+  notifications; once every local worker counted the notifications it expects, FINISHED_RECEIVING.
+  A ``TransferFailed`` from the producer fails the request at once; a registration watchdog fails
+  it if nothing arrives in time (after asking the producer to cancel, so no WRITE lands later).
+
+While a request waits, this side heartbeats the producer's sidecar so its lease stays alive; a
+producer that no longer knows the request, or a peer that stops answering, fails the request
+instead of leaving it to time out. Runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar import validation
+from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
+from sidecar.logs import get_logger
+from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
+from sidecar.registry import CONSUMER_ROLES, Engine, Worker
+from sidecar.timers import DeadlineTimer
+
+if TYPE_CHECKING:
+    from sidecar.node import Node
+
+log = get_logger("kvsidecar.consumer")
+
+RequestKey = tuple[str, str]  # (engine_id, request_id)
+
+
+@dataclass
+class ConsumerRequest:
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    mode: int
+    local_blocks: BlockIds
+    remote: engine_pb2.RemoteBlocks
+    created: float = field(default_factory=time.monotonic)
+    notices: dict[str, int] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)
+    registered: bool = False  # push: the producer accepted the registration
+    transferring: bool = False  # pull: READs in flight
+    cancelling: bool = False  # push watchdog fired; waiting for in-flight WRITEs to end
+    bytes_moved: int = 0
+
+    @property
+    def key(self) -> RequestKey:
+        return (self.engine_id, self.request_id)
+
+    @property
+    def is_push(self) -> bool:
+        return self.mode == common_pb2.TRANSFER_MODE_PUSH
+
+    def heartbeat_key(self) -> peer_pb2.RequestKey:
+        return peer_pb2.RequestKey(
+            request_id=self.remote.request_id, transfer_id=self.transfer_id, consumer_request_id=self.request_id
+        )
+
+
+class ConsumerSide:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self.requests: dict[RequestKey, ConsumerRequest] = {}
+        self.watchdogs: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_watchdog)
+        self._heartbeat_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
+
+    async def stop(self) -> None:
+        self.watchdogs.close()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            try:
+                await self._heartbeat_task
+            except asyncio.CancelledError:
+                pass
+
+    # --- EngineService ------------------------------------------------------------------------
+
+    async def pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+        node = self._node
+        engine, local = self._validate_common(request.engine_id, request.request_id, request.transfer_id,
+                                              request.local_block_ids, "local_block_ids")
+        remote_blocks = validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, True)
+        validation.identifier(request.remote.request_id, "remote.request_id")
+        if len(remote_blocks) != len(local):
+            raise InvalidArgument("remote.block_ids", f"lists {len(remote_blocks)} groups, local_block_ids {len(local)}")
+        for group, (mine, theirs) in enumerate(zip(local, remote_blocks, strict=True)):
+            if len(mine) > len(theirs):
+                raise InvalidArgument(
+                    "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
+                )
+        timeout = validation.duration(request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds)
+        pending = ConsumerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            mode=common_pb2.TRANSFER_MODE_PULL,
+            local_blocks=local,
+            remote=request.remote,
+        )
+        self._add(pending)
+        node.spawn(self._run_pull(pending, engine, remote_blocks, timeout), engines=self._engines_of(pending))
+        return engine_pb2.PullResponse(accepted=True)
+
+    async def expect_push(self, request: engine_pb2.ExpectPushRequest) -> engine_pb2.ExpectPushResponse:
+        node = self._node
+        engine, local = self._validate_common(request.engine_id, request.request_id, request.transfer_id,
+                                              request.block_ids, "block_ids")
+        validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+        )
+        pending = ConsumerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            mode=common_pb2.TRANSFER_MODE_PUSH,
+            local_blocks=local,
+            remote=request.remote,
+        )
+        self._add(pending)
+        self.watchdogs.set(pending.key, time.monotonic() + timeout)
+        # Registering needs a handshake and a peer call; both are bounded by peer_call_timeout.
+        try:
+            matched = await self._register_push(pending, engine, timeout)
+        except (SidecarError, PlanError) as exc:
+            self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
+            return engine_pb2.ExpectPushResponse(registered=False, matched=False)
+        return engine_pb2.ExpectPushResponse(registered=True, matched=matched)
+
+    def release(self, engine_id: str, request_id: str, reason: str) -> ConsumerRequest | None:
+        """The local engine aborts a request that waits for KV."""
+        pending = self.requests.get((engine_id, request_id))
+        if pending is None:
+            return None
+        self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
+        if pending.transferring or pending.cancelling:
+            return pending  # the terminal event follows when the transfers end
+        self._fail(pending, f"released: {reason}", reason_label="released")
+        return pending
+
+    # --- PeerService --------------------------------------------------------------------------
+
+    async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse:
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        pending = self.requests.get((request.engine_id, request.request_id))
+        if pending is None or not pending.is_push:
+            return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=False)
+        self._fail(pending, f"producer reported: {request.reason}", reason_label="producer_failed")
+        return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=True)
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
+        """A producer's WRITE into ``worker`` completed. False if the request is unknown here."""
+        pending = self.requests.get((notice.engine_id, notice.request_id))
+        if pending is None or not pending.is_push:
+            return False
+        name = worker.agent_name
+        pending.notices[name] = pending.notices.get(name, 0) + 1
+        pending.expected[name] = max(1, notice.expected)
+        engine = self._node.registry.engines.get(pending.engine_id)
+        workers = engine.ordered_workers() if engine is not None else []
+        if all(pending.notices.get(w.agent_name, 0) >= pending.expected.get(w.agent_name, 1) for w in workers):
+            self._node.metrics.request_duration.labels(mode="push", side="consumer").observe(
+                time.monotonic() - pending.created
+            )
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+        return True
+
+    # --- pull ---------------------------------------------------------------------------------
+
+    async def _run_pull(self, pending: ConsumerRequest, engine: Engine, remote_blocks: BlockIds, timeout: float) -> None:
+        node = self._node
+        address = pending.remote.address
+        if not any(pending.local_blocks):
+            # Full prefix hit: nothing to read, but the producer must learn it may free its blocks.
+            await self._tell_producer(pending, consumed=True, reason="full prefix-cache hit on the consumer")
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            return
+        try:
+            view = await asyncio.wait_for(
+                node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                node.settings.peer_call_timeout_seconds,
+            )
+            local = engine.local_workers()
+            node.dataplane.check(local, engine.tp_size, view)
+            source = trim_to_tail(remote_blocks, pending.local_blocks)
+            pending.transferring = True
+            outcome = await node.dataplane.run(
+                "READ",
+                local,
+                engine.tp_size,
+                view,
+                pending.local_blocks,
+                source,
+                target_request_id=pending.remote.request_id,
+                transfer_id=pending.transfer_id,
+                timeout=timeout,
+            )
+        except TimeoutError:
+            self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
+            return
+        except (SidecarError, PlanError) as exc:
+            label = "incompatible" if isinstance(exc, (FailedPrecondition, PlanError)) else "handshake"
+            self._fail(pending, str(exc), reason_label=label)
+            await self._tell_producer(pending, consumed=False, reason=str(exc))
+            return
+        finally:
+            pending.transferring = False
+        pending.bytes_moved = outcome.bytes
+        if outcome.ok:
+            node.metrics.request_duration.labels(mode="pull", side="consumer").observe(time.monotonic() - pending.created)
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            return
+        if outcome.peer_gone:
+            await node.peers.forget(address, "transfer from it failed")
+        self._fail(pending, f"READ failed: {outcome.error}", reason_label="transfer")
+        await self._tell_producer(pending, consumed=False, reason=outcome.error)
+
+    # --- push ---------------------------------------------------------------------------------
+
+    async def _register_push(self, pending: ConsumerRequest, engine: Engine, timeout: float) -> bool:
+        node = self._node
+        address = pending.remote.address
+        view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
+        # The producer will initiate; check the pairing from its side.
+        check_compatible([w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()],
+                         engine.tp_size)
+        if pending.remote.tp_size and pending.remote.tp_size != view.tp_size:
+            raise FailedPrecondition(
+                f"remote.tp_size is {pending.remote.tp_size} but engine {view.engine_id} has TP {view.tp_size}"
+            )
+        response = await node.peers.call(
+            address,
+            "PushReg",
+            peer_pb2.PushRegRequest(
+                caller=node.sidecar_info(),
+                prefill_engine_id=pending.remote.engine_id,
+                prefill_request_id=pending.remote.request_id,
+                transfer_id=pending.transfer_id,
+                decode_engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                block_ids=_grouped(pending.local_blocks),
+                decode_tp_size=engine.tp_size,
+                compatibility_hash=engine.compatibility_hash,
+                timeout_seconds=timeout,
+            ),
+        )
+        pending.registered = True
+        return bool(response.matched)
+
+    def _on_watchdog(self, keys: list[RequestKey]) -> None:
+        for key in keys:
+            pending = self.requests.get(key)
+            if pending is None:
+                continue
+            if pending.cancelling:
+                self._fail(pending, "push did not finish after cancellation", reason_label="timeout")
+                continue
+            pending.cancelling = True
+            self._node.spawn(self._cancel_push(pending), engines=[])
+
+    async def _cancel_push(self, pending: ConsumerRequest) -> None:
+        """Watchdog fired: make sure no WRITE is in flight before the blocks go back to the engine."""
+        settings = self._node.settings
+        in_flight = await self._tell_producer(pending, consumed=False, reason="consumer watchdog expired")
+        if pending.key not in self.requests:
+            return
+        if in_flight:
+            # Completion notifications or TransferFailed will end it; bound the wait anyway.
+            grace = settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
+            self.watchdogs.set(pending.key, time.monotonic() + grace)
+            return
+        self._fail(pending, "push did not arrive before the registration watchdog expired", reason_label="timeout")
+
+    # --- heartbeats ---------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._node.settings.heartbeat_interval)
+            try:
+                await self.heartbeat_once()
+            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+                log.exception("heartbeat_round_failed", error=str(exc))
+
+    async def heartbeat_once(self) -> None:
+        groups: dict[tuple[str, str], list[ConsumerRequest]] = {}
+        for pending in self.requests.values():
+            if pending.is_push and not pending.registered:
+                continue  # the producer learns of it with the PushReg
+            groups.setdefault((pending.remote.address, pending.remote.engine_id), []).append(pending)
+        if groups:
+            await asyncio.gather(*(self._heartbeat(address, engine, group) for (address, engine), group in groups.items()))
+
+    async def _heartbeat(self, address: str, engine_id: str, group: list[ConsumerRequest]) -> None:
+        node = self._node
+        request = peer_pb2.HeartbeatRequest(
+            caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[p.heartbeat_key() for p in group]
+        )
+        try:
+            response = await node.peers.call(address, "Heartbeat", request)
+        except SidecarError as exc:
+            failures = node.peers.failures(address)
+            log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
+            if failures >= node.settings.heartbeat_failures_allowed:
+                for pending in group:
+                    if not pending.transferring and pending.key in self.requests:
+                        self._fail(pending, f"producer sidecar {address} stopped answering: {exc}",
+                                   reason_label="peer_unreachable")
+            return
+        unknown = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
+        for pending in group:
+            key = pending.heartbeat_key()
+            if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown and not pending.transferring:
+                if pending.key in self.requests:
+                    self._fail(pending, "the producer no longer holds the request (expired, released or restarted)",
+                               reason_label="producer_lost")
+
+    # --- common -------------------------------------------------------------------------------
+
+    def _validate_common(
+        self, engine_id: str, request_id: str, transfer_id: str, blocks_message: common_pb2.GroupedBlockIds, field: str
+    ) -> tuple[Engine, BlockIds]:
+        node = self._node
+        validation.identifier(engine_id, "engine_id")
+        validation.identifier(request_id, "request_id")
+        validation.identifier(transfer_id, "transfer_id", required=False)
+        blocks = validation.block_ids(blocks_message, field, node.settings.max_blocks_per_request)
+        engine = node.registry.require_engine(engine_id, "engine_id", CONSUMER_ROLES)
+        problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
+        if problem:
+            raise InvalidArgument(field, problem)
+        if (engine_id, request_id) in self.requests:
+            raise FailedPrecondition(f"request {request_id!r} of engine {engine_id!r} is already waiting for KV")
+        node.check_capacity(len(self.requests))
+        return engine, blocks
+
+    def _engines_of(self, pending: ConsumerRequest) -> list[str]:
+        engines = [pending.engine_id]
+        if self._node.peers.is_self(pending.remote.address):
+            engines.append(pending.remote.engine_id)
+        return engines
+
+    def _add(self, pending: ConsumerRequest) -> None:
+        self.requests[pending.key] = pending
+        if pending.is_push:
+            self._node.transport.expect_notifications(1)
+        self._node.metrics.pending_receives.set(len(self.requests))
+
+    async def _tell_producer(self, pending: ConsumerRequest, consumed: bool, reason: str) -> bool:
+        """Tell the producer's sidecar it may free (or drop the registration). Returns True if
+        transfers are still in flight there. Best effort: its lease frees the blocks otherwise."""
+        try:
+            response = await self._node.peers.call(
+                pending.remote.address,
+                "Release",
+                peer_pb2.PeerReleaseRequest(
+                    caller_sidecar_id=self._node.sidecar_id,
+                    engine_id=pending.remote.engine_id,
+                    request_id=pending.remote.request_id,
+                    transfer_id=pending.transfer_id,
+                    consumer_request_id=pending.request_id,
+                    consumed=consumed,
+                    reason=reason,
+                ),
+            )
+        except SidecarError as exc:
+            log.info("producer_release_undelivered", peer=pending.remote.address, error=str(exc))
+            return False
+        return bool(response.in_flight)
+
+    def _fail(self, pending: ConsumerRequest, reason: str, reason_label: str) -> None:
+        self._node.metrics.failures.labels(reason=reason_label).inc()
+        log.warning(
+            "load_failed",
+            engine_id=pending.engine_id,
+            request_id=pending.request_id,
+            producer=pending.remote.engine_id,
+            peer=pending.remote.address,
+            reason=reason,
+        )
+        failed = [block for group in pending.local_blocks for block in group]
+        self._finish(pending, engine_pb2.Event(kind=engine_pb2.LOAD_FAILED, failed_block_ids=failed, reason=reason))
+
+    def _finish(self, pending: ConsumerRequest, event: engine_pb2.Event) -> None:
+        if self.requests.pop(pending.key, None) is None:
+            return
+        self.watchdogs.cancel(pending.key)
+        if pending.is_push:
+            self._node.transport.expect_notifications(-1)
+        self._node.metrics.pending_receives.set(len(self.requests))
+        event.request_id = pending.request_id
+        event.transfer_id = pending.transfer_id
+        event.bytes = pending.bytes_moved
+        event.duration_ms = (time.monotonic() - pending.created) * 1000.0
+        self._node.emit(pending.engine_id, event)
+
+    def drop_engine(self, engine_id: str, reason: str) -> None:
+        for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
+            self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
+            if not pending.transferring:
+                self._fail(pending, reason, reason_label="engine_gone")
+
+    def fail_all(self, reason: str) -> None:
+        for pending in list(self.requests.values()):
+            self._fail(pending, reason, reason_label="shutdown")
+
+    def status_rows(self) -> list[engine_pb2.RequestStatus]:
+        rows = []
+        for pending in self.requests.values():
+            if pending.is_push:
+                state = "cancelling" if pending.cancelling else ("registered" if pending.registered else "registering")
+            else:
+                state = "reading" if pending.transferring else "handshaking"
+            remaining = self.watchdogs.remaining(pending.key)
+            rows.append(
+                engine_pb2.RequestStatus(
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    transfer_id=pending.transfer_id,
+                    side="consumer",
+                    mode=pending.mode,  # type: ignore[arg-type]
+                    state=state,
+                    deadline_in_seconds=remaining if remaining is not None else -1.0,
+                    num_blocks=sum(len(group) for group in pending.local_blocks),
+                )
+            )
+        return rows
+
+
+def _grouped(blocks: BlockIds) -> common_pb2.GroupedBlockIds:
+    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in blocks])

@@ -1,0 +1,45 @@
+"""Domain errors raised by the core and mapped to gRPC status codes at the servicer boundary.
+
+The core raises these plain exceptions; ``server.ErrorMappingInterceptor`` turns them into a gRPC
+status with the message, so every servicer stays thin and tests can drive the core without gRPC.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SidecarError(Exception):
+    """Base class: an error whose message is safe to return to the caller."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SidecarError):
+    """A request field is missing or malformed. The message starts with the field's path."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class NotFound(SidecarError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(SidecarError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(SidecarError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SidecarError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SidecarError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED

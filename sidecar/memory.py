@@ -1,0 +1,218 @@
+"""Mapping engine workers' exported KV memory into the sidecar's address space.
+
+DRAM: a POSIX shared-memory file (``/dev/shm/...``) mapped read-write and shared. NIXL registers
+the *sidecar's* mapping, and peers are told the sidecar's addresses.
+
+Releasing a DRAM mapping does not unmap it: the range is replaced in place by an inaccessible
+anonymous mapping (a tombstone). NIXL cannot revoke what a peer holding our old metadata may still
+write (over CMA a peer writes straight into this process by address), so the address range must
+never be handed to another mapping; a late write then fails with EFAULT instead of corrupting
+whatever the kernel would have put there.
+
+VRAM: a CUDA IPC handle opened with ``cudaIpcOpenMemHandle`` (libcudart through ctypes). It is the
+real path on a GPU node; here, without a GPU, it reports FAILED_PRECONDITION.
+
+Called from the event loop thread; every call is short (mmap) or bounded (populate).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.errors import FailedPrecondition, InvalidArgument
+
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MAP_POPULATE = 0x8000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """What a worker exported (validated request data)."""
+
+    kind: str  # "DRAM" or "VRAM"
+    shm_path: str
+    cuda_ipc_handle: bytes
+    offset: int
+    length: int
+    device_id: int
+
+
+@dataclass
+class MappedMemory:
+    """An export mapped here. ``address`` is where the exported range starts in this process."""
+
+    kind: str
+    address: int
+    length: int
+    device_id: int
+    description: str
+    _map_base: int = 0
+    _map_length: int = 0
+    _cuda_ptr: int = 0
+    _released: bool = field(default=False)
+
+    def view(self) -> memoryview:
+        """A writable view of the exported bytes (DRAM only; used by tests and the demo)."""
+        if self.kind != "DRAM":
+            raise ValueError("only DRAM mappings can be viewed from the CPU")
+        buffer = (ctypes.c_uint8 * self.length).from_address(self.address)
+        return memoryview(buffer).cast("B")
+
+
+class MemoryImporter:
+    """Maps exports; remembers tombstoned ranges for the life of the process."""
+
+    def __init__(self, shm_dirs: list[Path], populate: bool = True) -> None:
+        self._shm_dirs = [Path(os.path.realpath(directory)) for directory in shm_dirs]
+        self._populate = populate
+        self._lock = threading.Lock()
+        self.tombstoned_bytes = 0
+
+    def map(self, spec: ExportSpec, field_name: str) -> MappedMemory:
+        if spec.kind == "DRAM":
+            return self._map_shm(spec, field_name)
+        if spec.kind == "VRAM":
+            return _open_cuda_ipc(spec, field_name)
+        raise InvalidArgument(f"{field_name}.kind", f"unsupported memory kind {spec.kind!r}")
+
+    def release(self, memory: MappedMemory) -> None:
+        if memory._released:
+            return
+        memory._released = True
+        if memory.kind == "VRAM":
+            _close_cuda_ipc(memory)
+            return
+        # Replace the shared mapping with an inaccessible one at the same address (see module doc).
+        result = _libc.mmap(
+            memory._map_base,
+            memory._map_length,
+            _PROT_NONE,
+            mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
+            -1,
+            0,
+        )
+        if result in (None, _MAP_FAILED):
+            # Could not tombstone; unmapping is the lesser evil compared to keeping the file alive.
+            _libc.munmap(memory._map_base, memory._map_length)
+        with self._lock:
+            self.tombstoned_bytes += memory._map_length
+
+    def _map_shm(self, spec: ExportSpec, field_name: str) -> MappedMemory:
+        if not spec.shm_path:
+            raise InvalidArgument(f"{field_name}.shm_path", "is required for DRAM exports")
+        path = Path(spec.shm_path)
+        if not path.is_absolute():
+            raise InvalidArgument(f"{field_name}.shm_path", f"must be an absolute path, got {spec.shm_path!r}")
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(directory) for directory in self._shm_dirs):
+            allowed = ", ".join(str(directory) for directory in self._shm_dirs)
+            raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} is outside the allowed shm dirs ({allowed})")
+        try:
+            fd = os.open(real, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} does not exist") from None
+        except OSError as exc:
+            raise InvalidArgument(f"{field_name}.shm_path", f"cannot open {spec.shm_path}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} is not a regular file")
+            if spec.length == 0:
+                raise InvalidArgument(f"{field_name}.length", "must be > 0")
+            if spec.offset + spec.length > info.st_size:
+                raise InvalidArgument(
+                    f"{field_name}.length",
+                    f"offset {spec.offset} + length {spec.length} exceeds the size of {spec.shm_path} ({info.st_size})",
+                )
+            page = mmap.PAGESIZE
+            map_offset = spec.offset - spec.offset % page
+            map_length = spec.offset + spec.length - map_offset
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if self._populate else 0)
+            base = _libc.mmap(None, map_length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, map_offset)
+            if base in (None, _MAP_FAILED):
+                errno = ctypes.get_errno()
+                raise FailedPrecondition(f"mmap of {spec.shm_path} failed: {os.strerror(errno)}")
+        finally:
+            os.close(fd)
+        return MappedMemory(
+            kind="DRAM",
+            address=base + (spec.offset - map_offset),
+            length=spec.length,
+            device_id=0,
+            description=spec.shm_path,
+            _map_base=base,
+            _map_length=map_length,
+        )
+
+
+# --- VRAM over CUDA IPC -------------------------------------------------------------------------
+
+_CUDA_IPC_HANDLE_BYTES = 64
+_CUDA_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+def _cudart() -> ctypes.CDLL:
+    name = ctypes.util.find_library("cudart")
+    candidates = [name] if name else []
+    candidates += ["libcudart.so", "libcudart.so.12", "libcudart.so.13"]
+    for candidate in candidates:
+        try:
+            return ctypes.CDLL(candidate)
+        except OSError:
+            continue
+    raise FailedPrecondition(
+        "VRAM exports need a CUDA GPU and libcudart on the sidecar's node; libcudart was not found here. "
+        "Use a DRAM export (host staging buffer) on this node."
+    )
+
+
+def _open_cuda_ipc(spec: ExportSpec, field_name: str) -> MappedMemory:
+    if len(spec.cuda_ipc_handle) != _CUDA_IPC_HANDLE_BYTES:
+        raise InvalidArgument(
+            f"{field_name}.cuda_ipc_handle", f"must be {_CUDA_IPC_HANDLE_BYTES} bytes, got {len(spec.cuda_ipc_handle)}"
+        )
+    cudart = _cudart()
+    count = ctypes.c_int(0)
+    if cudart.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value == 0:
+        raise FailedPrecondition("VRAM exports need a CUDA GPU on the sidecar's node; none is visible here")
+    if not 0 <= spec.device_id < count.value:
+        raise InvalidArgument(f"{field_name}.device_id", f"device {spec.device_id} does not exist ({count.value} GPUs)")
+    if cudart.cudaSetDevice(spec.device_id) != 0:
+        raise FailedPrecondition(f"cudaSetDevice({spec.device_id}) failed")
+    handle = (ctypes.c_char * _CUDA_IPC_HANDLE_BYTES).from_buffer_copy(spec.cuda_ipc_handle)
+    pointer = ctypes.c_void_p()
+    status = cudart.cudaIpcOpenMemHandle(ctypes.byref(pointer), handle, _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS)
+    if status != 0 or not pointer.value:
+        raise FailedPrecondition(f"cudaIpcOpenMemHandle failed with CUDA error {status}")
+    return MappedMemory(
+        kind="VRAM",
+        address=pointer.value + spec.offset,
+        length=spec.length,
+        device_id=spec.device_id,
+        description=f"cuda-ipc:device{spec.device_id}",
+        _cuda_ptr=pointer.value,
+    )
+
+
+def _close_cuda_ipc(memory: MappedMemory) -> None:
+    try:
+        _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(memory._cuda_ptr))
+    except FailedPrecondition:
+        pass

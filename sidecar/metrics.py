@@ -1,0 +1,126 @@
+"""Prometheus metrics of one sidecar, in a registry of its own (several sidecars can live in one
+test process). Labels never carry request ids: cardinality stays bounded by methods, modes and
+failure reasons.
+
+The loop thread updates most metrics; the transport thread only updates histograms, which
+prometheus_client makes thread-safe.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+from sidecar import __version__
+
+# Transfer times span ~50 us (one small block in-process) to seconds (GiBs over a slow link).
+_TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_BYTE_BUCKETS = tuple(float(2**power) for power in range(12, 36, 2))
+_DESC_BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class SidecarMetrics:
+    """Every metric the daemon exports."""
+
+    def __init__(self, nixl_version: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Info("kvsidecar_build", "Versions of kvsidecar and what it runs on.", registry=r)
+        self.build_info.info(
+            {
+                "kvsidecar": __version__,
+                "nixl": nixl_version,
+                "grpc": grpc.__version__,
+                "python": platform.python_version(),
+            }
+        )
+        self.rpc_requests = Counter(
+            "kvsidecar_rpc_requests_total",
+            "gRPC calls served, by service, method and status code.",
+            ["service", "method", "code"],
+            registry=r,
+        )
+        self.rpc_duration = Histogram(
+            "kvsidecar_rpc_duration_seconds",
+            "Time to answer a unary gRPC call.",
+            ["service", "method"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "kvsidecar_request_transfer_seconds",
+            "Time from a request's call to its terminal event, by mode and side.",
+            ["mode", "side"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.xfer_duration = Histogram(
+            "kvsidecar_nixl_transfer_seconds",
+            "Duration of one NIXL transfer as NIXL measured it.",
+            ["op"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.xfer_post = Histogram(
+            "kvsidecar_nixl_post_seconds",
+            "Time NIXL took to post one transfer.",
+            ["op"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.xfer_bytes = Counter(
+            "kvsidecar_transfer_bytes_total", "Bytes moved by NIXL transfers.", ["op"], registry=r
+        )
+        self.xfer_request_bytes = Histogram(
+            "kvsidecar_transfer_size_bytes", "Bytes per NIXL transfer.", ["op"], buckets=_BYTE_BUCKETS, registry=r
+        )
+        self.xfer_descriptors = Histogram(
+            "kvsidecar_transfer_descriptors",
+            "Descriptors per NIXL transfer after merging adjacent blocks.",
+            ["op"],
+            buckets=_DESC_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "kvsidecar_transfer_failures_total",
+            "Requests that failed, by reason (handshake, transfer, timeout, peer_failed, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.leases = Gauge("kvsidecar_leases", "Producer leases currently held.", registry=r)
+        self.leases_expired = Counter(
+            "kvsidecar_leases_expired_total", "Producer leases that ran out before the consumer finished.", registry=r
+        )
+        self.peers = Gauge("kvsidecar_peers", "Peer sidecars with a cached handshake.", registry=r)
+        self.handshake_duration = Histogram(
+            "kvsidecar_handshake_seconds", "Time of a handshake with a peer sidecar.", buckets=_TIME_BUCKETS, registry=r
+        )
+        self.handshake_failures = Counter(
+            "kvsidecar_handshake_failures_total", "Failed handshakes, by reason.", ["reason"], registry=r
+        )
+        self.registered_bytes = Gauge("kvsidecar_registered_bytes", "Bytes registered with NIXL.", registry=r)
+        self.workers = Gauge("kvsidecar_workers", "Registered engine workers.", registry=r)
+        self.pending_push_registrations = Gauge(
+            "kvsidecar_pending_push_registrations",
+            "Push registrations received from consumers, waiting for the producer's blocks.",
+            registry=r,
+        )
+        self.unmatched_submissions = Gauge(
+            "kvsidecar_unmatched_submissions",
+            "Producer submissions in push mode waiting for a registration.",
+            registry=r,
+        )
+        self.pending_receives = Gauge(
+            "kvsidecar_pending_receives", "Consumer requests waiting for their KV.", registry=r
+        )
+        self.transfers_in_flight = Gauge("kvsidecar_transfers_in_flight", "NIXL transfers in flight.", registry=r)
+        self.held_requests = Gauge("kvsidecar_held_requests", "Requests whose blocks are held for reuse.", registry=r)
+        self.events = Counter("kvsidecar_events_total", "Events sent to workers, by kind.", ["kind"], registry=r)
+
+    def serve_http(self, host: str, port: int) -> tuple[Any, int]:
+        """Start the /metrics HTTP endpoint in a daemon thread; returns (server, bound port)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, int(server.server_port)

@@ -1,0 +1,466 @@
+"""The producer side of a node: blocks a local engine offers to others.
+
+A submitted request is held under a lease until its consumers are done with it:
+- pull: each consumer READ carries a NIXL notification; once every local worker counted the
+  notifications it expects, FINISHED_SENDING reaches the workers;
+- push: a consumer's ``PushReg`` is matched with the submission (either may come first) and this
+  sidecar WRITEs into the consumer's blocks, then FINISHED_SENDING; a failed WRITE sends the
+  consumer an explicit ``TransferFailed``;
+- the lease ends it otherwise (LEASE_EXPIRED); consumers' heartbeats extend it. A lease that ends
+  while WRITEs are in flight frees the blocks only once they are all terminal.
+
+Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
+Runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar import validation
+from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
+from sidecar.logs import get_logger
+from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.planning import BlockIds, PlanError, check_block_ids, trim_to_tail
+from sidecar.registry import PRODUCER_ROLES, Engine, Worker
+from sidecar.timers import DeadlineTimer
+
+if TYPE_CHECKING:
+    from sidecar.node import Node
+
+log = get_logger("kvsidecar.producer")
+
+RequestKey = tuple[str, str]  # (engine_id, request_id)
+
+
+@dataclass
+class ProducerRequest:
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    block_ids: BlockIds
+    num_tokens: int
+    mode: int
+    lease_seconds: float
+    created: float = field(default_factory=time.monotonic)
+    notices: dict[str, int] = field(default_factory=dict)  # agent name -> notifications counted
+    expected: dict[str, int] = field(default_factory=dict)  # agent name -> notifications expected
+    writing: bool = False
+    lease_ended: bool = False
+    held: bool = False
+    bytes_moved: int = 0
+
+    @property
+    def key(self) -> RequestKey:
+        return (self.engine_id, self.request_id)
+
+    @property
+    def accepts_pull(self) -> bool:
+        return self.mode != common_pb2.TRANSFER_MODE_PUSH
+
+    @property
+    def accepts_push(self) -> bool:
+        return self.mode != common_pb2.TRANSFER_MODE_PULL and not self.held
+
+
+class ProducerSide:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self.requests: dict[RequestKey, ProducerRequest] = {}
+        self._by_transfer: dict[tuple[str, str], RequestKey] = {}
+        self.leases: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_leases_expired)
+        self.matcher = PushMatcher()
+        # Push registrations waiting for blocks expire with the consumer's watchdog.
+        self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
+        # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
+        self._pushing: dict[tuple[str, str], RequestKey] = {}
+
+    # --- EngineService ------------------------------------------------------------------------
+
+    async def submit(self, request: engine_pb2.SubmitBlocksRequest) -> engine_pb2.SubmitBlocksResponse:
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
+        lease = validation.duration(request.lease_seconds, "lease_seconds", node.settings.lease_seconds)
+        if request.mode not in common_pb2.TransferMode.values():
+            raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
+        engine = node.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
+        self._check_blocks(engine, blocks, "block_ids")
+        existing = self.requests.get((request.engine_id, request.request_id))
+        if existing is not None:
+            if existing.block_ids != blocks:
+                raise FailedPrecondition(f"request {request.request_id!r} was already submitted with other blocks")
+            self.leases.extend(existing.key, time.monotonic() + lease)
+            return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=existing.writing)
+        node.check_capacity(len(self.requests))
+        pending = ProducerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            block_ids=blocks,
+            num_tokens=request.num_tokens,
+            mode=request.mode,
+            lease_seconds=lease,
+        )
+        self._add(pending)
+        matched = False
+        if pending.accepts_push:
+            registration = self.matcher.add_submission(
+                Submission(pending.engine_id, pending.request_id, pending.transfer_id, payload=pending.key)
+            )
+            if registration is not None:
+                self._start_push(pending, registration)
+                matched = True
+        self._update_gauges()
+        log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
+        return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=matched)
+
+    async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
+        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn)."""
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.conversation_id, "conversation_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
+        ttl = validation.duration(request.ttl_seconds, "ttl_seconds", node.settings.hold_ttl_seconds)
+        engine = node.registry.require_engine(request.engine_id, "engine_id")
+        self._check_blocks(engine, blocks, "block_ids")
+        key = (request.engine_id, request.request_id)
+        if key in self.requests:
+            raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
+        node.check_capacity(len(self.requests))
+        pending = ProducerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id="",
+            block_ids=blocks,
+            num_tokens=request.num_tokens,
+            mode=common_pb2.TRANSFER_MODE_PULL,
+            lease_seconds=ttl,
+            held=True,
+        )
+        self._add(pending)
+        node.cache_hold(pending, request.conversation_id)
+        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl)
+
+    def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> ProducerRequest | None:
+        """The local engine aborts or frees a request it submitted."""
+        pending = self._find(engine_id, request_id, transfer_id)
+        if pending is None:
+            return None
+        if pending.writing:
+            pending.lease_ended = True  # free once the WRITEs are terminal
+            return pending
+        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"released: {reason}")
+        return pending
+
+    # --- PeerService --------------------------------------------------------------------------
+
+    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
+        node = self._node
+        validation.identifier(request.prefill_engine_id, "prefill_engine_id")
+        validation.identifier(request.decode_engine_id, "decode_engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
+        if not request.caller.address:
+            raise InvalidArgument("caller.address", "is required so the producer can reach the consumer")
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+        )
+        engine = node.registry.engines.get(request.prefill_engine_id)
+        if engine is None:
+            raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
+        node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
+        node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
+        reg_key = (request.decode_engine_id, request.request_id)
+        if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
+            # A repeated registration: the first one is already matched or waiting.
+            return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=reg_key in self._pushing)
+        node.check_capacity(self.matcher.pending_registrations)
+        registration = Registration(
+            engine_id=request.prefill_engine_id,
+            decode_engine_id=request.decode_engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            prefill_request_id=request.prefill_request_id,
+            payload=(request, blocks),
+        )
+        submission = self.matcher.add_registration(registration)
+        if submission is None:
+            self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
+            self._update_gauges()
+            return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=False)
+        pending = self.requests[submission.payload]
+        self._start_push(pending, registration)
+        self._update_gauges()
+        return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=True)
+
+    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        unknown = []
+        extension = node.settings.lease_extension_seconds
+        now = time.monotonic()
+        for index, key in enumerate(request.requests):
+            if not (key.request_id or key.transfer_id or key.consumer_request_id):
+                raise InvalidArgument(f"requests[{index}]", "names no request")
+            pending = self._find(request.engine_id, key.request_id, key.transfer_id)
+            if pending is not None:
+                if not pending.held:
+                    self.leases.extend(pending.key, now + extension)
+                continue
+            if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
+                continue  # a push registration still waiting for its blocks
+            if any(active[1] == key.consumer_request_id for active in self._pushing):
+                continue
+            unknown.append(key)
+        return peer_pb2.HeartbeatResponse(sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension)
+
+    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
+        """A consumer is done with a request (consumed it, or gave up on it)."""
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        # A push registration still waiting for its blocks: drop it.
+        registration = self.matcher.find_registration_for(
+            request.engine_id, request.transfer_id, request.consumer_request_id
+        )
+        if registration is not None:
+            self.matcher.remove_registration(registration.key)
+            self._registration_deadlines.cancel(registration.key)
+            self._update_gauges()
+            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True)
+        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
+        if pending is None:
+            for consumer_key, producer_key in self._pushing.items():
+                if consumer_key[1] == request.consumer_request_id:
+                    pending = self.requests.get(producer_key)
+        if pending is None:
+            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=False)
+        if pending.writing:
+            pending.lease_ended = True
+            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True, in_flight=True)
+        verb = "consumed" if request.consumed else "released"
+        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
+        return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True)
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
+        """A consumer finished reading from ``worker``. Returns False if the request is unknown."""
+        pending = self.requests.get((notice.engine_id, notice.request_id))
+        if pending is None or not pending.accepts_pull:
+            return False
+        name = worker.agent_name
+        pending.notices[name] = pending.notices.get(name, 0) + 1
+        pending.expected[name] = max(1, notice.expected)
+        engine = self._node.registry.engines.get(pending.engine_id)
+        workers = engine.ordered_workers() if engine is not None else []
+        if all(pending.notices.get(w.agent_name, 0) >= pending.expected.get(w.agent_name, 1) for w in workers):
+            self._finish(pending, engine_pb2.FINISHED_SENDING)
+        return True
+
+    # --- push ---------------------------------------------------------------------------------
+
+    def _start_push(self, pending: ProducerRequest, registration: Registration) -> None:
+        request, blocks = registration.payload
+        self._registration_deadlines.cancel(registration.key)
+        pending.writing = True
+        self._pushing[registration.key] = pending.key
+        self._node.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
+
+    async def _push(
+        self, pending: ProducerRequest, registration: Registration, request: peer_pb2.PushRegRequest, blocks: BlockIds
+    ) -> None:
+        node = self._node
+        started = time.monotonic()
+        address = request.caller.address
+        error = ""
+        try:
+            engine = node.registry.require_engine(pending.engine_id, "engine_id")
+            view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
+            local = engine.local_workers()
+            node.dataplane.check(local, engine.tp_size, view)
+            source = trim_to_tail(pending.block_ids, blocks)
+            not_after = self.leases.deadline(pending.key)
+            outcome = await node.dataplane.run(
+                "WRITE",
+                local,
+                engine.tp_size,
+                view,
+                source,
+                blocks,
+                target_request_id=request.request_id,
+                transfer_id=request.transfer_id or pending.transfer_id,
+                timeout=node.settings.transfer_timeout_seconds,
+                not_after=not_after,
+            )
+            pending.bytes_moved = outcome.bytes
+            if not outcome.ok:
+                error = outcome.error
+                if outcome.peer_gone:
+                    await node.peers.forget(address, "transfer to it failed")
+        except (SidecarError, PlanError) as exc:
+            error = str(exc)
+        self._pushing.pop(registration.key, None)
+        pending.writing = False
+        if error:
+            node.metrics.failures.labels(reason="push_write").inc()
+            log.warning(
+                "push_failed",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                consumer=request.decode_engine_id,
+                consumer_request_id=request.request_id,
+                error=error,
+            )
+            await self._send_transfer_failed(address, request, error)
+        else:
+            node.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
+        kind = engine_pb2.FINISHED_SENDING
+        if error and pending.lease_ended:
+            kind = engine_pb2.LEASE_EXPIRED
+        self._finish(pending, kind, reason=error)
+
+    async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
+        notice = peer_pb2.TransferFailedRequest(
+            caller_sidecar_id=self._node.sidecar_id,
+            engine_id=request.decode_engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            reason=reason,
+        )
+        try:
+            await self._node.peers.call(address, "TransferFailed", notice)
+        except SidecarError as exc:
+            # The consumer's heartbeat or watchdog still ends its wait.
+            log.warning("transfer_failed_notice_undelivered", peer=address, error=str(exc))
+
+    # --- leases and cleanup ---------------------------------------------------------------------
+
+    def _on_leases_expired(self, keys: list[RequestKey]) -> None:
+        for key in keys:
+            pending = self.requests.get(key)
+            if pending is None:
+                continue
+            if pending.writing:
+                pending.lease_ended = True
+                continue
+            self._node.metrics.leases_expired.inc()
+            what = "hold TTL" if pending.held else "lease"
+            log.warning(
+                "lease_expired",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                notifications=sum(pending.notices.values()),
+                what=what,
+            )
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=f"{what} of {pending.lease_seconds:g}s expired")
+
+    def _on_registrations_expired(self, keys: list[tuple[str, str]]) -> None:
+        for key in keys:
+            if self.matcher.remove_registration(key) is not None:
+                log.warning("push_registration_expired", consumer_engine_id=key[0], consumer_request_id=key[1])
+        self._update_gauges()
+
+    def drop_engine(self, engine_id: str, reason: str) -> None:
+        for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
+            if not pending.writing:
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+            else:
+                pending.lease_ended = True
+        for registration in self.matcher.registrations():
+            if registration.engine_id == engine_id:
+                self.matcher.remove_registration(registration.key)
+                self._registration_deadlines.cancel(registration.key)
+        self._update_gauges()
+
+    def finish_all(self, reason: str) -> None:
+        for pending in list(self.requests.values()):
+            self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+
+    def _add(self, pending: ProducerRequest) -> None:
+        self.requests[pending.key] = pending
+        if pending.transfer_id:
+            self._by_transfer[(pending.engine_id, pending.transfer_id)] = pending.key
+        self.leases.set(pending.key, time.monotonic() + pending.lease_seconds)
+        if pending.accepts_pull:
+            self._node.transport.expect_notifications(1)
+        self._node.metrics.leases.set(len(self.leases))
+
+    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "") -> None:
+        if self.requests.pop(pending.key, None) is None:
+            return
+        if pending.transfer_id:
+            self._by_transfer.pop((pending.engine_id, pending.transfer_id), None)
+        self.leases.cancel(pending.key)
+        self.matcher.remove_submission(pending.engine_id, pending.request_id)
+        if pending.accepts_pull:
+            self._node.transport.expect_notifications(-1)
+        if pending.held:
+            self._node.cache_release(pending.key)
+        self._node.metrics.leases.set(len(self.leases))
+        self._update_gauges()
+        self._node.emit(
+            pending.engine_id,
+            engine_pb2.Event(
+                kind=kind,  # type: ignore[arg-type]
+                request_id=pending.request_id,
+                transfer_id=pending.transfer_id,
+                reason=reason,
+                bytes=pending.bytes_moved,
+                duration_ms=(time.monotonic() - pending.created) * 1000.0,
+            ),
+        )
+
+    def _find(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest | None:
+        if request_id:
+            found = self.requests.get((engine_id, request_id))
+            if found is not None:
+                return found
+        if transfer_id:
+            key = self._by_transfer.get((engine_id, transfer_id))
+            if key is not None:
+                return self.requests.get(key)
+        if request_id:
+            base = base_request_id(request_id)
+            for pending in self.requests.values():
+                if pending.engine_id == engine_id and base_request_id(pending.request_id) == base:
+                    return pending
+        return None
+
+    @staticmethod
+    def _check_blocks(engine: Engine, blocks: BlockIds, field_name: str) -> None:
+        problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
+        if problem:
+            raise InvalidArgument(field_name, problem)
+
+    def _update_gauges(self) -> None:
+        metrics = self._node.metrics
+        metrics.pending_push_registrations.set(self.matcher.pending_registrations)
+        metrics.unmatched_submissions.set(self.matcher.unmatched_submissions)
+
+    def status_rows(self) -> list[engine_pb2.RequestStatus]:
+        rows = []
+        for pending in self.requests.values():
+            remaining = self.leases.remaining(pending.key)
+            state = "writing" if pending.writing else ("held" if pending.held else "leased")
+            rows.append(
+                engine_pb2.RequestStatus(
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    transfer_id=pending.transfer_id,
+                    side="producer",
+                    mode=common_pb2.TRANSFER_MODE_PUSH if pending.writing else common_pb2.TRANSFER_MODE_PULL,
+                    state=state,
+                    deadline_in_seconds=remaining if remaining is not None else -1.0,
+                    num_blocks=sum(len(group) for group in pending.block_ids),
+                )
+            )
+        return rows

@@ -1,0 +1,505 @@
+"""The NIXL owner thread: the only thread that ever touches a NIXL object.
+
+NIXL agents are not safe to share between threads in their default mode (two threads on one agent
+corrupted UCX state in our measurements), and released handles segfault when used again. So every
+agent, registration, prepared descriptor list and transfer handle lives in this thread's
+dictionaries and never leaves it.
+
+Threads:
+- The event loop thread calls the ``async`` methods. Each enqueues a command on ``self._commands``
+  and awaits a ``concurrent.futures.Future`` that the owner thread completes.
+- The owner thread (``kvsidecar-nixl``) executes commands, posts transfers and polls. NIXL's own
+  progress thread is disabled (with NIXL's hard-coded zero delay it spins a core per agent), so
+  this thread drives progress: while anything is in flight or expected it polls transfer states
+  and notifications, right away after activity and backing off to ``poll_interval_max``; with
+  nothing in flight it blocks on the command queue and uses no CPU.
+- Notifications are handed to the loop through ``on_notifications`` with
+  ``loop.call_soon_threadsafe``, in batches.
+
+NIXL has no timeouts of its own: every transfer carries a deadline enforced here. A transfer
+that cannot be cancelled at its deadline keeps its handle (and therefore its blocks) until NIXL
+releases it; its waiter learns the outcome only then, because handing the blocks back while the
+transfer may still write would corrupt the next request's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sidecar.config import NixlSettings
+from sidecar.logs import get_logger, route_foreign_loggers
+
+log = get_logger("kvsidecar.transport")
+
+_LOCAL = "NIXL_INIT_AGENT"
+# After activity, keep polling without sleeping this long before backing off.
+_HOT_WINDOW_S = 0.002
+_MIN_DELAY_S = 0.00005
+_NOTHING = object()  # "no command" marker in the owner loop
+_DEFERRED = object()  # a command body that completes its future later
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL could not be imported or an agent could not be created."""
+
+
+def load_nixl() -> tuple[Any, Any, str]:
+    """Import NIXL's Python API; returns (api module, bindings module, version string)."""
+    try:
+        import nixl_cu12._api as api  # noqa: PLC0415
+        import nixl_cu12._bindings as bindings  # noqa: PLC0415
+    except ImportError as exc:
+        raise NixlUnavailable(
+            "NIXL is not installed. Install it with `pip install --no-deps nixl-cu12==1.5.1 numpy` "
+            f"(its plain dependency list pulls a CUDA torch). Import error: {exc}"
+        ) from exc
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        nixl_version = "nixl-cu12 " + version("nixl-cu12")
+    except PackageNotFoundError:
+        nixl_version = "nixl-cu12 unknown"
+    route_foreign_loggers()
+    return api, bindings, nixl_version
+
+
+@dataclass(frozen=True)
+class DlistSpec:
+    """A descriptor list to prepare once and reuse. ``build`` runs on the owner thread."""
+
+    key: Hashable
+    build: Callable[[], np.ndarray]
+    mem_type: str = "DRAM"
+
+
+@dataclass(frozen=True)
+class RemoteAgent:
+    """A peer's agent as the handshake described it."""
+
+    name: str
+    metadata: bytes
+
+
+@dataclass
+class TransferResult:
+    ok: bool
+    error: str = ""
+    bytes: int = 0
+    descriptors: int = 0
+    duration_s: float = 0.0
+    post_s: float = 0.0
+    peer_gone: bool = False
+
+
+@dataclass
+class _Agent:
+    agent: Any
+    registrations: list[Any] = field(default_factory=list)
+    dlists: dict[tuple[str, Hashable], Any] = field(default_factory=dict)
+    remotes: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class _InFlight:
+    agent_name: str
+    handle: Any
+    op: str
+    deadline: float
+    future: concurrent.futures.Future[TransferResult]
+    started: float
+    cancel_reason: str = ""
+
+
+class NixlTransport:
+    """Owns every NIXL agent of the sidecar and runs the owner thread."""
+
+    def __init__(
+        self,
+        settings: NixlSettings,
+        on_notifications: Callable[[list[tuple[str, bytes]]], None],
+        on_xfer_done: Callable[[str, TransferResult], None] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._api, self._bindings, self.nixl_version = load_nixl()
+        self._on_notifications = on_notifications
+        self._on_xfer_done = on_xfer_done
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._agents: dict[str, _Agent] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._stuck: dict[int, _InFlight] = {}
+        self._ids = itertools.count()
+        self._expecting = 0
+        self._warm_until = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.polls = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="kvsidecar-nixl", daemon=True)
+        self._thread.start()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Fail what is in flight, release everything, and join the owner thread (bounded)."""
+        if self._thread is None:
+            return
+        await self._call(self._shutdown_all)
+        self._commands.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self._thread = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight) + len(self._stuck)
+
+    # --- commands (called from the loop thread) ------------------------------------------------
+
+    async def create_agent(self, name: str, regions: list[tuple[int, int, int]], mem_type: str) -> bytes:
+        """Create an agent, register its memory once per backing storage, return its metadata."""
+        result: bytes = await self._call(self._create_agent, name, regions, mem_type)
+        return result
+
+    async def drop_agent(self, name: str) -> None:
+        """Forget an agent everywhere: other local agents unload it, its lists and memory go."""
+        await self._call(self._drop_agent, name)
+
+    async def drop_remote(self, names: list[str]) -> None:
+        """Unload remote agents (a peer restarted or its engine re-registered)."""
+        await self._call(self._drop_remote, names)
+
+    async def transfer(
+        self,
+        agent_name: str,
+        op: str,
+        remote: RemoteAgent,
+        local_list: DlistSpec,
+        local_indices: np.ndarray,
+        remote_list: DlistSpec,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        deadline: float,
+        not_after: float | None = None,
+    ) -> TransferResult:
+        """Post one READ or WRITE and wait for its end. Never raises for transfer failures.
+
+        ``not_after`` (monotonic) refuses to post once passed, e.g. when the producer's lease ended.
+        """
+        future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
+        args = (agent_name, op, remote, local_list, local_indices, remote_list, remote_indices)
+        self._commands.put((self._post, (*args, notification, deadline, not_after, future), future))
+        return await asyncio.wrap_future(future)
+
+    async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
+        await self._call(self._notify, agent_name, remote, payload)
+
+    def expect_notifications(self, delta: int) -> None:
+        """Count of things waiting for notifications; polling continues while it is > 0."""
+        self._commands.put((self._adjust_expecting, (delta,), concurrent.futures.Future()))
+
+    def warm(self, seconds: float) -> None:
+        """Poll for a while even with nothing expected, e.g. so a peer that just handshaked can
+        connect to our agents (UCX wire-up needs both sides to progress)."""
+        self._commands.put((self._set_warm, (time.monotonic() + seconds,), concurrent.futures.Future()))
+
+    async def _call(self, function: Callable[..., Any], *args: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((function, args, future))
+        return await asyncio.wrap_future(future)
+
+    # --- owner thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = _MIN_DELAY_S
+        last_activity = time.monotonic()
+        while True:
+            if not self._is_active():
+                item = self._commands.get()  # nothing in flight or expected: sleep until told
+            else:
+                hot = time.monotonic() - last_activity < _HOT_WINDOW_S
+                try:
+                    item = self._commands.get(timeout=_MIN_DELAY_S if hot else delay)
+                except queue.Empty:
+                    item = _NOTHING
+            worked = False
+            while item is not _NOTHING:
+                if item is None:
+                    return  # stop sentinel
+                self._execute(*item)
+                worked = True
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    item = _NOTHING
+            progressed = self._poll() if self._is_active() else False
+            if worked or progressed:
+                last_activity = time.monotonic()
+                delay = _MIN_DELAY_S
+            else:
+                delay = min(delay * 2, self._settings.poll_interval_max_ms / 1000.0)
+
+    def _is_active(self) -> bool:
+        return bool(self._in_flight or self._stuck or self._expecting > 0 or time.monotonic() < self._warm_until)
+
+    @staticmethod
+    def _execute(function: Callable[..., Any], args: tuple[Any, ...], future: concurrent.futures.Future[Any]) -> None:
+        try:
+            result = function(*args)
+        except Exception as exc:  # noqa: BLE001 - reported to the waiter
+            if not future.done():
+                future.set_exception(exc)
+            return
+        if result is not _DEFERRED and not future.done():
+            future.set_result(result)
+
+    def _poll(self) -> bool:
+        self.polls += 1
+        progressed = False
+        notifications: list[tuple[str, bytes]] = []
+        for name, state in self._agents.items():
+            try:
+                new = state.agent.get_new_notifs()
+            except Exception as exc:  # noqa: BLE001 - a broken peer must not stop the loop
+                log.warning("nixl_notification_poll_failed", agent=name, error=str(exc))
+                continue
+            for messages in new.values():
+                for message in messages:
+                    notifications.append((name, bytes(message)))
+        if notifications and self._loop is not None:
+            progressed = True
+            self._loop.call_soon_threadsafe(self._on_notifications, notifications)
+        now = time.monotonic()
+        for xfer_id, xfer in list(self._in_flight.items()):
+            state = self._agents.get(xfer.agent_name)
+            if state is None:
+                continue
+            try:
+                status = state.agent.check_xfer_state(xfer.handle)
+            except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+                self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
+                progressed = True
+                continue
+            if status == "DONE":
+                self._finish(xfer_id, self._telemetry(state, xfer))
+                progressed = True
+            elif status != "PROC":
+                self._finish(xfer_id, TransferResult(False, f"NIXL reported transfer state {status}"))
+                progressed = True
+            elif now > xfer.deadline:
+                xfer.cancel_reason = f"{xfer.op} did not complete within its deadline"
+                self._finish(xfer_id, TransferResult(False, xfer.cancel_reason))
+                progressed = True
+        for xfer_id, xfer in list(self._stuck.items()):
+            if self._try_release(xfer):
+                del self._stuck[xfer_id]
+                log.warning("nixl_transfer_released_late", agent=xfer.agent_name, op=xfer.op)
+                self._complete(xfer.future, TransferResult(False, xfer.cancel_reason or "transfer failed"))
+                progressed = True
+        return progressed
+
+    def _telemetry(self, state: _Agent, xfer: _InFlight) -> TransferResult:
+        result = TransferResult(True, duration_s=time.monotonic() - xfer.started)
+        try:
+            telemetry = state.agent.get_xfer_telemetry(xfer.handle)
+            result.bytes = int(telemetry.totalBytes)
+            result.descriptors = int(telemetry.descCount)
+            result.duration_s = telemetry.xferDuration / 1e6
+            result.post_s = telemetry.postDuration / 1e6
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            pass
+        return result
+
+    def _finish(self, xfer_id: int, result: TransferResult) -> None:
+        xfer = self._in_flight.pop(xfer_id)
+        if not self._try_release(xfer):
+            # The backend may still move bytes: keep the handle, report only once it is released.
+            log.error("nixl_transfer_not_releasable", agent=xfer.agent_name, op=xfer.op, reason=result.error)
+            xfer.cancel_reason = result.error or "transfer could not be released"
+            self._stuck[xfer_id] = xfer
+            return
+        if self._on_xfer_done is not None:
+            self._on_xfer_done(xfer.op, result)
+        self._complete(xfer.future, result)
+
+    @staticmethod
+    def _try_release(xfer: _InFlight) -> bool:
+        try:
+            xfer.handle.release()
+            return True
+        except Exception:  # noqa: BLE001 - NIXL refuses to release an active transfer
+            return False
+
+    @staticmethod
+    def _complete(future: concurrent.futures.Future[TransferResult], result: TransferResult) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    # --- command bodies (owner thread) ----------------------------------------------------------
+
+    def _agent_config(self) -> Any:
+        return self._api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            capture_telemetry=True,
+            num_threads=self._settings.num_threads,
+            backends=[],
+        )
+
+    def _create_agent(self, name: str, regions: list[tuple[int, int, int]], mem_type: str) -> bytes:
+        if name in self._agents:
+            raise ValueError(f"agent {name} exists")
+        agent = self._api.nixl_agent(name, self._agent_config())
+        for backend in self._settings.backends:
+            params: dict[str, str] = {}
+            if backend == "UCX":
+                params["ucx_error_handling_mode"] = self._settings.ucx_error_handling_mode
+                if self._settings.num_threads:
+                    params["num_threads"] = str(self._settings.num_threads)
+            agent.create_backend(backend, params)
+        state = _Agent(agent)
+        if regions:
+            state.registrations.append(agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type))
+        self._agents[name] = state
+        return bytes(agent.get_agent_metadata())
+
+    def _drop_agent(self, name: str) -> None:
+        state = self._agents.pop(name, None)
+        for other in self._agents.values():
+            if name in other.remotes:
+                self._unload(other, name)
+        if state is None:
+            return
+        for xfer_id, xfer in list(self._in_flight.items()):
+            if xfer.agent_name == name:
+                self._finish(xfer_id, TransferResult(False, "the worker was unregistered"))
+        for handle in state.dlists.values():
+            _quietly(handle.release)
+        state.dlists.clear()
+        for remote in list(state.remotes):
+            _quietly(state.agent.remove_remote_agent, remote)
+        for registration in state.registrations:
+            _quietly(state.agent.deregister_memory, registration)
+        state.registrations.clear()
+        # The agent object is dropped here, on the owner thread, so its destructor runs here too.
+        del state
+
+    def _drop_remote(self, names: list[str]) -> None:
+        for state in self._agents.values():
+            for name in names:
+                if name in state.remotes:
+                    self._unload(state, name)
+
+    def _unload(self, state: _Agent, remote_name: str) -> None:
+        for key in [key for key in state.dlists if key[0] == remote_name]:
+            _quietly(state.dlists.pop(key).release)
+        _quietly(state.agent.remove_remote_agent, remote_name)
+        state.remotes.pop(remote_name, None)
+
+    def _ensure_remote(self, state: _Agent, remote: RemoteAgent) -> None:
+        known = state.remotes.get(remote.name)
+        if known == remote.metadata:
+            return
+        if known is not None:
+            self._unload(state, remote.name)
+        loaded = state.agent.add_remote_agent(remote.metadata)
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != remote.name:
+            _quietly(state.agent.remove_remote_agent, loaded_name)
+            raise ValueError(f"agent metadata names {loaded_name!r}, expected {remote.name!r}")
+        state.remotes[remote.name] = remote.metadata
+
+    def _dlist(self, state: _Agent, target: str, spec: DlistSpec) -> Any:
+        slot = (target, spec.key)
+        handle = state.dlists.get(slot)
+        if handle is None:
+            handle = state.agent.prep_xfer_dlist(target, spec.build(), spec.mem_type)
+            state.dlists[slot] = handle
+        return handle
+
+    def _post(
+        self,
+        agent_name: str,
+        op: str,
+        remote: RemoteAgent,
+        local_list: DlistSpec,
+        local_indices: np.ndarray,
+        remote_list: DlistSpec,
+        remote_indices: np.ndarray,
+        notification: bytes,
+        deadline: float,
+        not_after: float | None,
+        future: concurrent.futures.Future[TransferResult],
+    ) -> object:
+        """Post a transfer; its future completes later, from _poll (hence _DEFERRED)."""
+        now = time.monotonic()
+        if not_after is not None and now > not_after:
+            self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
+            return _DEFERRED
+        state = self._agents.get(agent_name)
+        if state is None:
+            self._complete(future, TransferResult(False, f"local agent {agent_name} is gone"))
+            return _DEFERRED
+        try:
+            self._ensure_remote(state, remote)
+            local_handle = self._dlist(state, _LOCAL, local_list)
+            remote_handle = self._dlist(state, remote.name, remote_list)
+            handle = state.agent.make_prepped_xfer(
+                op, local_handle, local_indices, remote_handle, remote_indices, notif_msg=notification
+            )
+        except Exception as exc:  # noqa: BLE001 - reported as a failed transfer
+            self._complete(future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc)))
+            return _DEFERRED
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now)
+        xfer_id = next(self._ids)
+        self._in_flight[xfer_id] = xfer
+        try:
+            status = state.agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001
+            self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
+            return _DEFERRED
+        if status == "DONE":
+            self._finish(xfer_id, self._telemetry(state, xfer))
+        elif status != "PROC":
+            self._finish(xfer_id, TransferResult(False, f"NIXL refused the transfer (state {status})"))
+        return _DEFERRED
+
+    def _notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
+        state = self._agents.get(agent_name)
+        if state is None:
+            raise ValueError(f"local agent {agent_name} is gone")
+        self._ensure_remote(state, remote)
+        state.agent.send_notif(remote.name, payload)
+
+    def _adjust_expecting(self, delta: int) -> None:
+        self._expecting = max(0, self._expecting + delta)
+
+    def _set_warm(self, until: float) -> None:
+        self._warm_until = max(self._warm_until, until)
+
+    def _shutdown_all(self) -> None:
+        for xfer_id in list(self._in_flight):
+            self._finish(xfer_id, TransferResult(False, "the sidecar is shutting down"))
+        for name in list(self._agents):
+            self._drop_agent(name)
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    return "Disconnect" in type(exc).__name__ or "disconnect" in str(exc).lower()
+
+
+def _quietly(function: Callable[..., Any], *args: Any) -> None:
+    try:
+        function(*args)
+    except Exception as exc:  # noqa: BLE001 - cleanup must go on
+        log.debug("nixl_cleanup_failed", call=getattr(function, "__name__", "?"), error=str(exc))
