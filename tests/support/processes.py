@@ -1,0 +1,248 @@
+"""Real processes for tests and benchmarks: sidecar daemons and simulated engines.
+
+Every process is tracked by PID and killed (with its process group) at cleanup; every wait has a
+bound. Sockets live in per-test temporary directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not met within {timeout}s")
+        time.sleep(interval)
+
+
+@dataclass
+class SidecarProcess:
+    """``kvsidecar serve`` in a child process, on a socket in ``workdir`` and an ephemeral port."""
+
+    workdir: Path
+    name: str = "sidecar"
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    peer_port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    address: str = ""
+    sidecar_id: str = ""
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / f"{self.name}.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self, timeout: float = 30.0) -> SidecarProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "sidecar.cli", "serve",
+            "--engine-socket", str(self.socket),
+            "--peer-listen", f"127.0.0.1:{self.peer_port}",
+            "--metrics-listen", "off",
+            "--log-format", "json",
+            *self.args,
+        ]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=python_env(self.env), start_new_session=True
+        )
+        log.close()
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        from engine_shim.client import SidecarClient  # noqa: PLC0415
+
+        def ready() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"sidecar {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if not self.socket.exists():
+                return False
+            try:
+                with SidecarClient(self.socket, timeout=1.0) as client:
+                    status = client.status()
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+            self.address = status.sidecar.address
+            self.sidecar_id = status.sidecar.sidecar_id
+            self.peer_port = int(self.address.rsplit(":", 1)[1])
+            return True
+
+        wait_until(ready, timeout, 0.05, f"sidecar {self.name} ready")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def log_events(self) -> list[dict[str, Any]]:
+        events = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        return events
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+
+    def restart(self, timeout: float = 30.0) -> SidecarProcess:
+        """Kill and start again on the same socket and port (a restarted sidecar)."""
+        self.kill()
+        return self.start(timeout)
+
+
+class EngineProcess:
+    """A simulated engine (``python -m engine_shim.simulated``) in a child process, driven over
+    JSON lines. Events and replies are collected by a reader thread."""
+
+    def __init__(self, workdir: Path, socket: Path, engine_id: str, role: str, *, tp: int = 1, layers: int = 2,
+                 blocks: int = 64, block_len: int = 4096, heads: int = 1, model: str = "simulated") -> None:
+        self.engine_id = engine_id
+        self.log_path = workdir / f"engine-{engine_id}.log"
+        command = [
+            sys.executable, "-m", "engine_shim.simulated", "--socket", str(socket), "--engine-id", engine_id,
+            "--role", role, "--tp", str(tp), "--layers", str(layers), "--blocks", str(blocks),
+            "--block-len", str(block_len), "--heads", str(heads), "--model", model,
+        ]
+        stderr = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=python_env(),
+            start_new_session=True,
+        )
+        stderr.close()
+        self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.events: list[dict[str, Any]] = []
+        self._events_lock = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._next_id = 0
+        self.ready = self._next_message(lambda m: "ready" in m, 30.0)["ready"]
+        self.peer_address: str = self.ready["peer_address"]
+        self.buffers = [Path(path) for path in self.ready["buffers"]]
+        self.layers, self.blocks, self.block_len, self.tp = layers, blocks, block_len, tp
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                continue
+            if "event" in message:
+                with self._events_lock:
+                    self.events.append(message)
+                    self._events_lock.notify_all()
+            else:
+                self.messages.put(message)
+
+    def _next_message(self, predicate: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"engine {self.engine_id}: no answer within {timeout}s; log:\n{self.log_tail()}")
+            try:
+                message = self.messages.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if predicate(message):
+                return message
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def command(self, op: str, timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
+        self._next_id += 1
+        ident = self._next_id
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps({"op": op, "id": ident, **fields}) + "\n").encode())
+        self.process.stdin.flush()
+        return self._next_message(lambda m: m.get("id") == ident, timeout)
+
+    def wait_event(self, request_id: str, timeout: float = 30.0, ranks: int | None = None) -> list[dict[str, Any]]:
+        """The terminal events of ``request_id``, one per worker (waits until all ranks have one)."""
+        ranks = self.tp if ranks is None else ranks
+        deadline = time.monotonic() + timeout
+        with self._events_lock:
+            while True:
+                found = [e for e in self.events if e.get("request_id") == request_id]
+                if len({e["rank"] for e in found}) >= ranks:
+                    return found
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"engine {self.engine_id}: no event for {request_id} within {timeout}s")
+                self._events_lock.wait(remaining)
+
+    def events_for(self, request_id: str) -> list[dict[str, Any]]:
+        with self._events_lock:
+            return [e for e in self.events if e.get("request_id") == request_id]
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write(b'{"op": "exit"}\n')
+                self.process.stdin.flush()
+                self.process.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+        for path in self.buffers:
+            path.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+        for path in self.buffers:
+            path.unlink(missing_ok=True)
