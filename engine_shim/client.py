@@ -157,6 +157,20 @@ class SidecarClient:
     def pull_async(self, *args: Any, **kwargs: Any) -> grpc.Future:
         return self.stub.Pull.future(self.pull_request(*args, **kwargs), timeout=self.timeout)
 
+    def keep_alive_async(
+        self, engine_id: str, request_id: str, remote_blocks: engine_pb2.RemoteBlocks, transfer_id: str = "",
+        timeout_seconds: float = 0.0,
+    ) -> grpc.Future:
+        request = engine_pb2.KeepAliveRequest(
+            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, remote=remote_blocks,
+            timeout_seconds=timeout_seconds,
+        )
+        return self.stub.KeepAlive.future(request, timeout=self.timeout)
+
+    def keep_alive(self, *args: Any, **kwargs: Any) -> engine_pb2.KeepAliveResponse:
+        response: engine_pb2.KeepAliveResponse = self.keep_alive_async(*args, **kwargs).result()
+        return response
+
     @staticmethod
     def expect_push_request(
         engine_id: str,
@@ -227,6 +241,19 @@ class SidecarClient:
             engine_pb2.GetStatusRequest(include_requests=include_requests), timeout=self.timeout
         )
         return response
+
+    def status_async(self, include_requests: bool = False) -> grpc.Future:
+        return self.stub.GetStatus.future(
+            engine_pb2.GetStatusRequest(include_requests=include_requests), timeout=self.timeout
+        )
+
+    def subscribe_connectivity(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        """Call ``callback`` (on a gRPC thread) with every connectivity change of the channel, and
+        keep the channel connecting, so a caller can tell without an RPC that the sidecar is down."""
+        self._channel.subscribe(callback, try_to_connect=True)
+
+    def unsubscribe_connectivity(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        self._channel.unsubscribe(callback)
 
 
 class EventWatcher:

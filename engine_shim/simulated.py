@@ -12,10 +12,12 @@ reports events as JSON lines on stdout; see ``main``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,15 @@ class SimulatedEngine:
     compat_factors: dict[str, str] = field(default_factory=lambda: {"model": "simulated"})
     workers: list[SimulatedWorker] = field(default_factory=list)
 
-    def start(self, timeout: float = 10.0, populate: bool = True) -> None:
+    def start(
+        self,
+        timeout: float = 10.0,
+        populate: bool = True,
+        on_event: Callable[[int, engine_pb2.Event], None] | None = None,
+        on_closed: Callable[[int, str], None] | None = None,
+    ) -> None:
+        """Register every worker and open its event stream. With ``on_event`` events go to the
+        callback (with the worker's rank) instead of the watcher's queue."""
         per_rank = self.layout
         for rank in range(self.tp_size):
             buffer = SharedBuffer(per_rank.total_bytes, populate=populate)
@@ -78,7 +88,13 @@ class SimulatedEngine:
                     compat_factors=self.compat_factors,
                 )
             )
-            worker.watcher = client.watch(self.engine_id, rank)
+            worker.watcher = EventWatcher(
+                client,
+                self.engine_id,
+                rank,
+                on_closed=None if on_closed is None else functools.partial(on_closed, rank),
+                on_event=None if on_event is None else functools.partial(on_event, rank),
+            )
             worker.watcher.wait_connected(timeout)
 
     @property
@@ -167,32 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     layout = KvLayout(
         args.layers, args.blocks, args.block_len, num_kv_heads=args.heads, total_num_kv_heads=args.heads * args.tp
     )
+    def forward(rank: int, event: engine_pb2.Event) -> None:
+        emit({
+            "event": engine_pb2.EventKind.Name(event.kind),
+            "request_id": event.request_id,
+            "rank": rank,
+            "reason": event.reason,
+            "failed_block_ids": list(event.failed_block_ids),
+            "bytes": event.bytes,
+        })
+
+    def closed(rank: int, reason: str) -> None:
+        emit({"event": "STREAM_CLOSED", "rank": rank, "reason": reason})
+
     engine = SimulatedEngine(args.socket, args.engine_id, args.role, layout, args.tp, {"model": args.model})
-    engine.start()
-    for worker in engine.workers:
-        assert worker.watcher is not None
-        worker.watcher.cancel()
-
-        def forward(event: engine_pb2.Event, rank: int = worker.rank) -> None:
-            emit({
-                "event": engine_pb2.EventKind.Name(event.kind),
-                "request_id": event.request_id,
-                "rank": rank,
-                "reason": event.reason,
-                "failed_block_ids": list(event.failed_block_ids),
-                "bytes": event.bytes,
-            })
-
-        def closed(reason: str, rank: int = worker.rank) -> None:
-            emit({"event": "STREAM_CLOSED", "rank": rank, "reason": reason})
-
-        worker.watcher = EventWatcher(worker.client, engine.engine_id, worker.rank, on_closed=closed, on_event=forward)
-        worker.watcher.wait_connected(10.0)
+    engine.start(on_event=forward, on_closed=closed)
     emit({
         "ready": {
             "peer_address": engine.peer_address,
             "buffers": [str(worker.buffer.path) for worker in engine.workers],
-            "pid": __import__("os").getpid(),
+            "pid": os.getpid(),
         }
     })
     client = engine.client

@@ -66,11 +66,31 @@ class ConsumerRequest:
         )
 
 
+@dataclass
+class KeptAlive:
+    """A request that waits in the local engine's queue; its producer's lease is kept alive."""
+
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    remote: engine_pb2.RemoteBlocks
+
+    def heartbeat_key(self) -> peer_pb2.RequestKey:
+        return peer_pb2.RequestKey(
+            request_id=self.remote.request_id, transfer_id=self.transfer_id, consumer_request_id=self.request_id
+        )
+
+
 class ConsumerSide:
     def __init__(self, node: Node) -> None:
         self._node = node
         self.requests: dict[RequestKey, ConsumerRequest] = {}
         self.watchdogs: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_watchdog)
+        self.kept: dict[RequestKey, KeptAlive] = {}
+        self._kept_deadlines: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_keep_alive_expired)
+        # Requests whose producer said it no longer holds them; a later Pull fails at once instead
+        # of reading blocks that may already hold another request's KV.
+        self._lost: dict[RequestKey, str] = {}
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -78,6 +98,7 @@ class ConsumerSide:
 
     async def stop(self) -> None:
         self.watchdogs.close()
+        self._kept_deadlines.close()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
             try:
@@ -87,10 +108,42 @@ class ConsumerSide:
 
     # --- EngineService ------------------------------------------------------------------------
 
+    async def keep_alive(self, request: engine_pb2.KeepAliveRequest) -> engine_pb2.KeepAliveResponse:
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
+        if not (request.remote.request_id or request.transfer_id):
+            raise InvalidArgument("remote.request_id", "remote.request_id or transfer_id is required")
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+        )
+        node.registry.require_engine(request.engine_id, "engine_id", CONSUMER_ROLES)
+        key = (request.engine_id, request.request_id)
+        if key in self._lost:
+            return engine_pb2.KeepAliveResponse(producer_holds=False)
+        if key not in self.kept:
+            node.check_capacity(len(self.kept))
+        self.kept[key] = KeptAlive(request.engine_id, request.request_id, request.transfer_id, request.remote)
+        self._kept_deadlines.set(key, time.monotonic() + timeout)
+        return engine_pb2.KeepAliveResponse(producer_holds=True)
+
+    def _on_keep_alive_expired(self, keys: list[RequestKey]) -> None:
+        for key in keys:
+            self.kept.pop(key, None)
+            self._lost.pop(key, None)
+
+    def _end_keep_alive(self, key: RequestKey) -> str | None:
+        """Stop keeping ``key`` alive; returns why it is lost, if the producer dropped it."""
+        self.kept.pop(key, None)
+        self._kept_deadlines.cancel(key)
+        return self._lost.pop(key, None)
+
     async def pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
         node = self._node
-        engine, local = self._validate_common(request.engine_id, request.request_id, request.transfer_id,
-                                              request.local_block_ids, "local_block_ids")
+        local = self._validate_fields(request.engine_id, request.request_id, request.transfer_id,
+                                      request.local_block_ids, "local_block_ids")
         remote_blocks = validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, True)
         validation.identifier(request.remote.request_id, "remote.request_id")
         if len(remote_blocks) != len(local):
@@ -101,6 +154,7 @@ class ConsumerSide:
                     "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
                 )
         timeout = validation.duration(request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds)
+        engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
         pending = ConsumerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -110,17 +164,22 @@ class ConsumerSide:
             remote=request.remote,
         )
         self._add(pending)
+        lost = self._end_keep_alive(pending.key)
+        if lost is not None:
+            self._fail(pending, lost, reason_label="producer_lost")
+            return engine_pb2.PullResponse(accepted=True)
         node.spawn(self._run_pull(pending, engine, remote_blocks, timeout), engines=self._engines_of(pending))
         return engine_pb2.PullResponse(accepted=True)
 
     async def expect_push(self, request: engine_pb2.ExpectPushRequest) -> engine_pb2.ExpectPushResponse:
         node = self._node
-        engine, local = self._validate_common(request.engine_id, request.request_id, request.transfer_id,
-                                              request.block_ids, "block_ids")
+        local = self._validate_fields(request.engine_id, request.request_id, request.transfer_id,
+                                      request.block_ids, "block_ids")
         validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
         )
+        engine = self._require_engine(request.engine_id, request.request_id, local, "block_ids")
         pending = ConsumerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -130,6 +189,10 @@ class ConsumerSide:
             remote=request.remote,
         )
         self._add(pending)
+        lost = self._end_keep_alive(pending.key)
+        if lost is not None:
+            self._fail(pending, lost, reason_label="producer_lost")
+            return engine_pb2.ExpectPushResponse(registered=False, matched=False)
         self.watchdogs.set(pending.key, time.monotonic() + timeout)
         # Registering needs a handshake and a peer call; both are bounded by peer_call_timeout.
         try:
@@ -141,6 +204,7 @@ class ConsumerSide:
 
     def release(self, engine_id: str, request_id: str, reason: str) -> ConsumerRequest | None:
         """The local engine aborts a request that waits for KV."""
+        self._end_keep_alive((engine_id, request_id))
         pending = self.requests.get((engine_id, request_id))
         if pending is None:
             return None
@@ -297,18 +361,21 @@ class ConsumerSide:
                 log.exception("heartbeat_round_failed", error=str(exc))
 
     async def heartbeat_once(self) -> None:
-        groups: dict[tuple[str, str], list[ConsumerRequest]] = {}
+        """One heartbeat per producer engine for every request that still needs its blocks."""
+        groups: dict[tuple[str, str], list[ConsumerRequest | KeptAlive]] = {}
         for pending in self.requests.values():
             if pending.is_push and not pending.registered:
                 continue  # the producer learns of it with the PushReg
             groups.setdefault((pending.remote.address, pending.remote.engine_id), []).append(pending)
+        for kept in self.kept.values():
+            groups.setdefault((kept.remote.address, kept.remote.engine_id), []).append(kept)
         if groups:
             await asyncio.gather(*(self._heartbeat(address, engine, group) for (address, engine), group in groups.items()))
 
-    async def _heartbeat(self, address: str, engine_id: str, group: list[ConsumerRequest]) -> None:
+    async def _heartbeat(self, address: str, engine_id: str, group: list[ConsumerRequest | KeptAlive]) -> None:
         node = self._node
         request = peer_pb2.HeartbeatRequest(
-            caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[p.heartbeat_key() for p in group]
+            caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[item.heartbeat_key() for item in group]
         )
         try:
             response = await node.peers.call(address, "Heartbeat", request)
@@ -316,29 +383,41 @@ class ConsumerSide:
             failures = node.peers.failures(address)
             log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
             if failures >= node.settings.heartbeat_failures_allowed:
-                for pending in group:
-                    if not pending.transferring and pending.key in self.requests:
-                        self._fail(pending, f"producer sidecar {address} stopped answering: {exc}",
-                                   reason_label="peer_unreachable")
+                self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
             return
         unknown = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
-        for pending in group:
-            key = pending.heartbeat_key()
-            if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown and not pending.transferring:
-                if pending.key in self.requests:
-                    self._fail(pending, "the producer no longer holds the request (expired, released or restarted)",
-                               reason_label="producer_lost")
+        lost = []
+        for item in group:
+            key = item.heartbeat_key()
+            if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown:
+                lost.append(item)
+        self._producer_lost(lost, "the producer no longer holds the request (expired, released or restarted)",
+                            "producer_lost")
+
+    def _producer_lost(self, items: list[ConsumerRequest | KeptAlive], reason: str, label: str) -> None:
+        for item in items:
+            key = (item.engine_id, item.request_id)
+            if isinstance(item, KeptAlive):
+                if self.kept.pop(key, None) is not None:
+                    self._lost[key] = reason
+                    log.warning("producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id,
+                                reason=reason)
+            elif not item.transferring and key in self.requests:
+                self._fail(item, reason, reason_label=label)
 
     # --- common -------------------------------------------------------------------------------
 
-    def _validate_common(
+    def _validate_fields(
         self, engine_id: str, request_id: str, transfer_id: str, blocks_message: common_pb2.GroupedBlockIds, field: str
-    ) -> tuple[Engine, BlockIds]:
-        node = self._node
+    ) -> BlockIds:
+        """Checks that need no state: malformed input is INVALID_ARGUMENT whatever else is wrong."""
         validation.identifier(engine_id, "engine_id")
         validation.identifier(request_id, "request_id")
         validation.identifier(transfer_id, "transfer_id", required=False)
-        blocks = validation.block_ids(blocks_message, field, node.settings.max_blocks_per_request)
+        return validation.block_ids(blocks_message, field, self._node.settings.max_blocks_per_request)
+
+    def _require_engine(self, engine_id: str, request_id: str, blocks: BlockIds, field: str) -> Engine:
+        node = self._node
         engine = node.registry.require_engine(engine_id, "engine_id", CONSUMER_ROLES)
         problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
         if problem:
@@ -346,7 +425,7 @@ class ConsumerSide:
         if (engine_id, request_id) in self.requests:
             raise FailedPrecondition(f"request {request_id!r} of engine {engine_id!r} is already waiting for KV")
         node.check_capacity(len(self.requests))
-        return engine, blocks
+        return engine
 
     def _engines_of(self, pending: ConsumerRequest) -> list[str]:
         engines = [pending.engine_id]

@@ -35,6 +35,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.ExpectPushResponse:
         return await self._node.expect_push(request)
 
+    async def KeepAlive(  # noqa: N802
+        self, request: engine_pb2.KeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.KeepAliveResponse:
+        return await self._node.keep_alive(request)
+
     async def Pull(  # noqa: N802
         self, request: engine_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.PullResponse:

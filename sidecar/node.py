@@ -353,6 +353,9 @@ class Node:
     async def pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
         return await self.consumer.pull(request)
 
+    async def keep_alive(self, request: engine_pb2.KeepAliveRequest) -> engine_pb2.KeepAliveResponse:
+        return await self.consumer.keep_alive(request)
+
     async def hold_blocks(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
         return await self.producer.hold(request)
 

@@ -193,7 +193,11 @@ class PeerDirectory:
             return response
         _, stub = self._channel(address)
         try:
-            response = await getattr(stub, method)(request, timeout=self._settings.peer_call_timeout_seconds)
+            # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
+            # gets until the deadline to come back instead of failing the call at once.
+            response = await getattr(stub, method)(
+                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as exc:
             state = self._state(address)
             state.consecutive_failures += 1

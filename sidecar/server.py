@@ -1,9 +1,9 @@
 """The daemon process: gRPC servers, health, reflection, metrics endpoint, signals, systemd.
 
 Two servers, so neither port exposes the other's API:
-- EngineService on a Unix socket (mode 0600, directory 0700 when created here) and optionally on
-  a loopback TCP port;
-- PeerService on TCP (mTLS when configured).
+- EngineService (and PeerService, for local debugging) on a Unix socket (mode 0600, directory
+  0700 when created here) and optionally on a loopback TCP port;
+- PeerService alone on TCP (mTLS when configured).
 Both serve ``grpc.health.v1.Health`` and server reflection, so ``grpcurl`` works out of the box.
 
 Shutdown on SIGTERM/SIGINT: STOPPING=1, health NOT_SERVING, new work refused, running requests
@@ -34,7 +34,7 @@ from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from sidecar import __version__
 from sidecar.config import Settings, split_host_port
 from sidecar.engine_api import EngineServicer
-from sidecar.errors import SidecarError
+from sidecar.errors import InvalidArgument, SidecarError
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import Node
@@ -66,16 +66,17 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return handler
         service, _, method = details.method.lstrip("/").rpartition("/")
+        deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, service, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, service, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -89,6 +90,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(rpc=f"{short}/{method}"):
                 try:
+                    _reject_undecodable(request)
                     return await behavior(request, context)
                 except SidecarError as exc:
                     code = exc.code
@@ -117,6 +119,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             code = grpc.StatusCode.OK
             with structlog.contextvars.bound_contextvars(rpc=f"{short}/{method}"):
                 try:
+                    _reject_undecodable(request)
                     async for item in behavior(request, context):
                         yield item
                 except SidecarError as exc:
@@ -136,6 +139,32 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     metrics.rpc_requests.labels(service=short, method=method, code=code.name).inc()
 
         return wrapped
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message, so the call can be answered
+    INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's fault
+            return _Undecodable(str(exc))
+
+    return deserialize
+
+
+def _reject_undecodable(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument("request", f"is not a valid protobuf message: {request.error}")
 
 
 def _server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -180,6 +209,7 @@ class SidecarServer:
         self._notifier = SystemdNotifier()
         self._watchdog_task: asyncio.Task[None] | None = None
         self._socket_path = Path(settings.engine_socket)
+        self._owns_socket = False
 
     async def start(self) -> None:
         settings = self.settings
@@ -189,14 +219,18 @@ class SidecarServer:
         # Engine server: Unix socket (0600) and optional loopback TCP.
         self.engine_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(node), self.engine_server)
+        # PeerService on the local socket too, so one `grpcurl -unix ... list` shows the whole API;
+        # EngineService is never exposed on the peer port.
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), self.engine_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.engine_health, self.engine_server)
         reflection.enable_server_reflection(
-            [ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
+            [ENGINE_SERVICE, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
         )
         _prepare_socket_path(self._socket_path)
         previous_umask = os.umask(0o177)
         try:
             self.engine_server.add_insecure_port(f"unix:{self._socket_path}")
+            self._owns_socket = True
         finally:
             os.umask(previous_umask)
         if settings.engine_tcp_listen:
@@ -231,7 +265,7 @@ class SidecarServer:
             metrics_host, metrics_port = split_host_port(settings.metrics_listen, "metrics_listen")
             self._metrics_http, self.metrics_port = node.metrics.serve_http(metrics_host, metrics_port)
 
-        for servicer, names in ((self.engine_health, (ENGINE_SERVICE,)), (self.peer_health, (PEER_SERVICE,))):
+        for servicer, names in ((self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)), (self.peer_health, (PEER_SERVICE,))):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             for name in names:
                 await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -280,8 +314,9 @@ class SidecarServer:
             self._watchdog_task.cancel()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
-        with contextlib.suppress(FileNotFoundError):
-            self._socket_path.unlink()
+        if self._owns_socket:  # never remove the socket of another daemon we refused to replace
+            with contextlib.suppress(FileNotFoundError):
+                self._socket_path.unlink()
         log.info("sidecar_stopped")
 
 

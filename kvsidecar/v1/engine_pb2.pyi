@@ -190,6 +190,26 @@ class ExpectPushResponse(_message.Message):
     matched: bool
     def __init__(self, registered: _Optional[bool] = ..., matched: _Optional[bool] = ...) -> None: ...
 
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "transfer_id", "remote", "timeout_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    remote: RemoteBlocks
+    timeout_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., remote: _Optional[_Union[RemoteBlocks, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("producer_holds",)
+    PRODUCER_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    producer_holds: bool
+    def __init__(self, producer_holds: _Optional[bool] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "transfer_id", "local_block_ids", "remote", "timeout_seconds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.ExpectPushRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ExpectPushResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/KeepAlive',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/kvsidecar.v1.EngineService/Pull',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.PullRequest.SerializeToString,
@@ -115,6 +120,15 @@ class EngineServiceServicer:
     def ExpectPush(self, request, context):
         """Consumer, push mode: blocks were allocated for a request whose KV the producer will WRITE.
         The sidecar registers them with the producer's sidecar (PeerService.PushReg).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Consumer: keep the producer's lease of a request alive while the request waits here before
+        its Pull or ExpectPush (vLLM's decode engine heartbeats from the moment a request arrives).
+        Ends with Pull, ExpectPush or Release of the same request id, or after timeout_seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -187,6 +201,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ExpectPush,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.ExpectPushRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.ExpectPushResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.KeepAliveResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
@@ -327,6 +346,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/ExpectPush',
             kvsidecar_dot_v1_dot_engine__pb2.ExpectPushRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.ExpectPushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/KeepAlive',
+            kvsidecar_dot_v1_dot_engine__pb2.KeepAliveRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

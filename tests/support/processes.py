@@ -161,7 +161,11 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self._next_id = 0
-        self.ready = self._next_message(lambda m: "ready" in m, 30.0)["ready"]
+        try:
+            self.ready = self._next_message(lambda m: "ready" in m, 30.0)["ready"]
+        except BaseException:
+            self.kill()
+            raise
         self.peer_address: str = self.ready["peer_address"]
         self.buffers = [Path(path) for path in self.ready["buffers"]]
         self.layers, self.blocks, self.block_len, self.tp = layers, blocks, block_len, tp
@@ -234,8 +238,7 @@ class EngineProcess:
                 self.process.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()
-        for path in self.buffers:
-            path.unlink(missing_ok=True)
+        self._remove_buffers()
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -244,5 +247,9 @@ class EngineProcess:
             except ProcessLookupError:
                 pass
             self.process.wait(10)
-        for path in self.buffers:
+        self._remove_buffers()
+
+    def _remove_buffers(self) -> None:
+        # The engine names its files kvsidecar-<pid>-*; remove them even if it died before saying so.
+        for path in Path("/dev/shm").glob(f"kvsidecar-{self.process.pid}-*"):
             path.unlink(missing_ok=True)

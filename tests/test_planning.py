@@ -1,0 +1,105 @@
+"""Descriptor math and TP mapping (pure)."""
+
+import numpy as np
+import pytest
+
+from sidecar.planning import (
+    PlanError,
+    RegionLayout,
+    Slice,
+    WorkerLayout,
+    check_block_ids,
+    check_compatible,
+    descriptor_indices,
+    expected_notifications,
+    pairings,
+    physical_block_ids,
+    trim_to_tail,
+    view_descriptors,
+)
+
+
+def layout(tp_rank: int = 0, block_len: int = 1024, heads: int = 2, total: int = 2, num_blocks: int = 8,
+           regions: int = 2, kv_layout: str = "LBHNC", ratio: int = 1, block_size: int = 16) -> WorkerLayout:
+    return WorkerLayout(
+        tp_rank=tp_rank,
+        pp_rank=0,
+        regions=tuple(
+            RegionLayout(f"layer{r}", 1_000_000 * (r + 1), block_len, block_len, 0) for r in range(regions)
+        ),
+        num_blocks=num_blocks,
+        physical_per_logical=ratio,
+        block_size=block_size,
+        kv_layout=kv_layout,
+        num_kv_heads=heads,
+        total_num_kv_heads=total,
+        is_mla=False,
+    )
+
+
+def test_view_descriptors_cover_every_block_region_major() -> None:
+    worker = layout()
+    whole = view_descriptors(worker, Slice())
+    assert whole.shape == (16, 3)
+    assert whole[0].tolist() == [1_000_000, 1024, 0]
+    assert whole[9].tolist() == [2_000_000 + 1024, 1024, 0]
+    half = view_descriptors(worker, Slice(1, 2))
+    assert half[3].tolist() == [1_000_000 + 3 * 1024 + 512, 512, 0]
+
+
+def test_descriptor_indices_select_blocks_in_every_region() -> None:
+    worker = layout()
+    indices = descriptor_indices(worker, ((1, 5, 2),))
+    assert indices.tolist() == [1, 5, 2, 9, 13, 10]
+    assert indices.dtype == np.int32
+
+
+def test_logical_ids_expand_to_physical_ids() -> None:
+    assert physical_block_ids([2, 0], 2).tolist() == [4, 5, 0, 1]
+    worker = layout(ratio=2)
+    assert descriptor_indices(worker, ((3,),)).tolist() == [6, 7, 14, 15]
+
+
+def test_trim_to_tail_keeps_the_producers_last_blocks() -> None:
+    assert trim_to_tail(((10, 11, 12, 13, 14),), ((500, 501),)) == ((13, 14),)
+    assert trim_to_tail(((10, 11),), ((1, 2),)) == ((10, 11),)
+    assert trim_to_tail(((10, 11),), ((),)) == ((),)
+    with pytest.raises(PlanError, match="destination blocks"):
+        trim_to_tail(((10,),), ((1, 2),))
+
+
+def test_pairings_for_equal_and_heterogeneous_tp() -> None:
+    assert pairings(2, 2, 1) == [pairings(2, 2, 1)[0]]
+    assert pairings(2, 2, 1)[0].target_rank == 1
+    # Initiator TP 2 reading a TP 1 target: each rank takes half of the target's block.
+    first, second = pairings(2, 1, 0)[0], pairings(2, 1, 1)[0]
+    assert (first.target_rank, first.target_slice) == (0, Slice(0, 2))
+    assert (second.target_rank, second.target_slice) == (0, Slice(1, 2))
+    # Initiator TP 1 and target TP 2: the whole block is assembled from both targets.
+    both = pairings(1, 2, 0)
+    assert [(p.target_rank, p.initiator_slice) for p in both] == [(0, Slice(0, 2)), (1, Slice(1, 2))]
+    assert expected_notifications(2, 1, 0) == 2
+    assert expected_notifications(1, 2, 1) == 1
+
+
+def test_compatible_engines_pass_and_mismatches_say_why() -> None:
+    check_compatible([layout()], 1, [layout()], 1)
+    # TP 1 (2 heads, 1024-byte blocks) with TP 2 (1 head each, 512-byte blocks).
+    check_compatible([layout(block_len=1024)], 1, [layout(0, 512, 1), layout(1, 512, 1)], 2)
+    with pytest.raises(PlanError, match="block sizes differ"):
+        check_compatible([layout()], 1, [layout(block_size=32)], 1)
+    with pytest.raises(PlanError, match="KV layouts differ"):
+        check_compatible([layout()], 1, [layout(kv_layout="NHD")], 1)
+    with pytest.raises(PlanError, match="head-major"):
+        check_compatible([layout(kv_layout="NHD")], 1, [layout(0, 512, 1, kv_layout="NHD"), layout(1, 512, 1, kv_layout="NHD")], 2)
+    with pytest.raises(PlanError, match="do not map"):
+        check_compatible([layout(block_len=1024)], 1, [layout(0, 256, 1), layout(1, 256, 1)], 2)
+    with pytest.raises(PlanError, match="different KV regions"):
+        check_compatible([layout(regions=2)], 1, [layout(regions=3)], 1)
+
+
+def test_block_id_checks() -> None:
+    assert check_block_ids(((1, 2),), 1, 8, 1) is None
+    assert "out of range" in (check_block_ids(((8,),), 1, 8, 1) or "")
+    assert "repeat" in (check_block_ids(((1, 1),), 1, 8, 1) or "")
+    assert "groups" in (check_block_ids(((1,), (2,)), 1, 8, 1) or "")

@@ -1,0 +1,251 @@
+"""Pull mode with real processes: two sidecars (or one), two simulated engines owning KV in shared
+memory, real NIXL. D's blocks must equal P's byte for byte; nothing else may change; failures
+end in load-failed within a bound; leases free P's blocks."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.support.processes import EngineProcess, SidecarProcess, wait_until
+
+LAYERS, BLOCKS, BLOCK_LEN = 3, 96, 8192
+
+
+def kv(path: Path, layers: int = LAYERS, blocks: int = BLOCKS, block_len: int = BLOCK_LEN) -> np.ndarray:
+    """A read-only view of an engine's KV file: [layer, block, byte]."""
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(layers, blocks, block_len))
+
+
+def pull_and_wait(producer: EngineProcess, consumer: EngineProcess, request: str, p_blocks: list[int],
+                  d_blocks: list[int], timeout: float = 30.0) -> list[dict]:
+    assert producer.command("submit", request_id=request, blocks=[p_blocks])["ok"]
+    reply = consumer.command(
+        "pull", request_id=f"{request}-d", blocks=[d_blocks],
+        remote={"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request,
+                "blocks": [p_blocks]},
+    )
+    assert reply["ok"], reply
+    return consumer.wait_event(f"{request}-d", timeout)
+
+
+@pytest.fixture(params=["two_sidecars", "same_sidecar"])
+def pair(request, sidecars, engines) -> tuple[EngineProcess, EngineProcess, list[SidecarProcess]]:
+    p_side = sidecars("p")
+    d_side = p_side if request.param == "same_sidecar" else sidecars("d")
+    producer = engines(p_side, "P", "producer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
+    consumer = engines(d_side, "D", "consumer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
+    return producer, consumer, [p_side, d_side]
+
+
+def test_pull_many_requests_byte_for_byte(pair) -> None:
+    producer, consumer, _ = pair
+    assert producer.command("fill", blocks=list(range(BLOCKS)), seed=11)["ok"]
+    rng = random.Random(3)
+    free = list(range(BLOCKS))
+    rng.shuffle(free)
+    cases: list[tuple[str, list[int], list[int]]] = []
+    # Contiguous runs, scattered blocks, single blocks, and a partial prefix hit on D.
+    cases.append(("contiguous", list(range(10, 26)), [free.pop() for _ in range(16)]))
+    run_start = 40
+    cases.append(("adjacent-both", list(range(run_start, run_start + 8)), []))
+    d_run = sorted(free)[:8]
+    if d_run == list(range(d_run[0], d_run[0] + 8)):
+        cases[-1] = ("adjacent-both", cases[-1][1], d_run)
+        for block in d_run:
+            free.remove(block)
+    else:
+        cases[-1] = ("adjacent-both", cases[-1][1], [free.pop() for _ in range(8)])
+    for index in range(12):
+        count = rng.randint(1, 6)
+        cases.append((f"scattered-{index}", rng.sample(range(BLOCKS), count), [free.pop() for _ in range(count)]))
+    cases.append(("partial-prefix-hit", [60, 61, 62, 63, 64], [free.pop() for _ in range(2)]))
+    written: set[int] = set()
+    for name, p_blocks, d_blocks in cases:
+        events = pull_and_wait(producer, consumer, name, p_blocks, d_blocks)
+        assert {event["event"] for event in events} == {"FINISHED_RECEIVING"}, events
+        written.update(d_blocks)
+    for name, *_ in cases:
+        assert {e["event"] for e in producer.wait_event(name)} == {"FINISHED_SENDING"}
+    source, target = kv(producer.buffers[0]), kv(consumer.buffers[0])
+    for name, p_blocks, d_blocks in cases:
+        tail = p_blocks[len(p_blocks) - len(d_blocks):]
+        for src, dst in zip(tail, d_blocks, strict=True):
+            assert np.array_equal(source[:, src], target[:, dst]), f"{name}: D block {dst} != P block {src}"
+    untouched = sorted(set(range(BLOCKS)) - written)
+    assert untouched and not target[:, untouched].any(), "blocks nobody wrote changed"
+
+
+def test_full_prefix_hit_reads_nothing_and_still_frees_p(pair) -> None:
+    producer, consumer, _ = pair
+    assert producer.command("submit", request_id="full-hit", blocks=[[1, 2, 3]], lease_seconds=60)["ok"]
+    reply = consumer.command(
+        "pull", request_id="full-hit-d", blocks=[[]],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "full-hit", "blocks": [[1, 2, 3]]},
+    )
+    assert reply["ok"], reply
+    assert consumer.wait_event("full-hit-d", 10)[0]["event"] == "FINISHED_RECEIVING"
+    assert producer.wait_event("full-hit", 10)[0]["event"] == "FINISHED_SENDING"
+    assert not kv(consumer.buffers[0]).any()
+
+
+def test_compatibility_hash_mismatch_fails_the_pull_with_the_reason(sidecars, engines) -> None:
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = engines(p_side, "P", "producer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN, model="model-a")
+    consumer = engines(d_side, "D", "consumer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN, model="model-b")
+    events = pull_and_wait(producer, consumer, "mismatch", [1, 2], [5, 6], timeout=15)
+    assert events[0]["event"] == "LOAD_FAILED"
+    assert "compatibility hash mismatch" in events[0]["reason"]
+    assert sorted(events[0]["failed_block_ids"]) == [5, 6]
+    assert not kv(consumer.buffers[0]).any()
+    logged = [e for e in p_side.log_events() if e.get("event") == "compatibility_hash_mismatch"]
+    assert logged and logged[0]["local"] != logged[0]["remote"]
+    # The producer is told at once, not after its lease.
+    assert producer.wait_event("mismatch", 10)[0]["event"] == "FINISHED_SENDING"
+
+
+def test_lease_frees_p_when_d_never_comes(sidecars, engines) -> None:
+    p_side = sidecars("p", args=["--lease-seconds", "1.5"])
+    producer = engines(p_side, "P", "producer")
+    d_side = sidecars("d")
+    consumer = engines(d_side, "D", "consumer")
+    started = time.monotonic()
+    assert producer.command("submit", request_id="orphan", blocks=[[1, 2]])["ok"]
+    consumer.kill()  # D dies without ever pulling
+    event = producer.wait_event("orphan", 10)[0]
+    elapsed = time.monotonic() - started
+    assert event["event"] == "LEASE_EXPIRED" and "lease" in event["reason"]
+    assert 1.0 < elapsed < 6.0
+
+
+def test_heartbeats_keep_p_lease_alive_past_its_length(sidecars, engines) -> None:
+    # Lease 1.5 s; D's sidecar heartbeats every 0.25 s while its request waits (KeepAlive).
+    p_side = sidecars("p", args=["--lease-seconds", "1.5"])
+    d_side = sidecars("d", args=["--set", "heartbeat_interval_seconds=0.25"])
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    assert producer.command("fill", blocks=[1, 2], seed=5)["ok"]
+    assert producer.command("submit", request_id="waiting", blocks=[[1, 2]])["ok"]
+    from engine_shim.client import SidecarClient, remote  # noqa: PLC0415
+
+    with SidecarClient(d_side.socket) as client:
+        kept = client.keep_alive("D", "waiting-d", remote(producer.peer_address, "P", "waiting"))
+        assert kept.producer_holds
+        time.sleep(4.0)  # well past the 1.5 s lease
+    assert producer.events_for("waiting") == [], "the lease expired although D kept heartbeating"
+    events = pull_and_wait(producer, consumer, "waiting", [1, 2], [7, 8])
+    assert events[0]["event"] == "FINISHED_RECEIVING"
+    assert np.array_equal(kv(producer.buffers[0], 2, 64, 4096)[:, [1, 2]], kv(consumer.buffers[0], 2, 64, 4096)[:, [7, 8]])
+
+
+def test_keep_alive_learns_when_p_lost_the_request_and_the_pull_fails_without_reading(sidecars, engines) -> None:
+    p_side = sidecars("p", args=["--lease-seconds", "1"])
+    d_side = sidecars("d", args=["--set", "heartbeat_interval_seconds=0.2"])
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    assert producer.command("submit", request_id="gone", blocks=[[3]])["ok"]
+    assert producer.command("release", request_id="gone")["ok"]  # P frees it (e.g. an abort)
+    from engine_shim.client import SidecarClient, remote  # noqa: PLC0415
+
+    with SidecarClient(d_side.socket) as client:
+        client.keep_alive("D", "gone-d", remote(producer.peer_address, "P", "gone"))
+
+        def lost() -> bool:
+            return not client.keep_alive("D", "gone-d", remote(producer.peer_address, "P", "gone")).producer_holds
+
+        wait_until(lost, 5, 0.1, "D learns that P dropped the request")
+    reply = consumer.command(
+        "pull", request_id="gone-d", blocks=[[9]],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "gone", "blocks": [[3]]},
+    )
+    assert reply["ok"]
+    event = consumer.wait_event("gone-d", 5)[0]
+    assert event["event"] == "LOAD_FAILED" and "no longer holds" in event["reason"]
+
+
+def test_p_sidecar_killed_then_restarted(sidecars, engines) -> None:
+    """D fails fast against a dead P sidecar, keeps serving, and pulls from the restarted P after a
+    fresh handshake."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = engines(p_side, "P", "producer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
+    consumer = engines(d_side, "D", "consumer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
+    assert producer.command("fill", blocks=list(range(BLOCKS)), seed=1)["ok"]
+    assert pull_and_wait(producer, consumer, "warm", [1, 2, 3], [1, 2, 3])[0]["event"] == "FINISHED_RECEIVING"
+    old_id = p_side.sidecar_id
+
+    assert producer.command("submit", request_id="doomed", blocks=[list(range(10, 40))])["ok"]
+    p_side.kill()
+    started = time.monotonic()
+    reply = consumer.command(
+        "pull", request_id="doomed-d", blocks=[list(range(50, 80))],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "doomed",
+                "blocks": [list(range(10, 40))]},
+    )
+    assert reply["ok"]
+    event = consumer.wait_event("doomed-d", 15)[0]
+    elapsed = time.monotonic() - started
+    assert event["event"] == "LOAD_FAILED", event
+    assert elapsed < 10.0, f"load-failed took {elapsed:.1f}s"
+    assert sorted(event["failed_block_ids"]) == list(range(50, 80))
+
+    # D's sidecar still serves, and a restarted P (same port, new instance) works after a handshake.
+    producer.kill()
+    p_side.restart()
+    assert p_side.sidecar_id != old_id
+    producer2 = engines(p_side, "P", "producer", layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
+    assert producer2.command("fill", blocks=list(range(BLOCKS)), seed=2)["ok"]
+    events = pull_and_wait(producer2, consumer, "after-restart", [20, 21, 22], [90, 91, 92])
+    assert events[0]["event"] == "FINISHED_RECEIVING", events
+    source, target = kv(producer2.buffers[0]), kv(consumer.buffers[0])
+    assert np.array_equal(source[:, [20, 21, 22]], target[:, [90, 91, 92]])
+    restarted = [e for e in d_side.log_events() if e.get("event") in ("peer_restarted", "peer_forgotten")]
+    assert restarted, "D never noticed that P restarted"
+
+
+def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars, engines) -> None:
+    p_side, d_side = sidecars("p"), sidecars("d")
+    big = {"layers": 4, "blocks": 64, "block_len": 1 << 20}  # 256 MiB per engine
+    producer = engines(p_side, "P", "producer", **big)
+    consumer = engines(d_side, "D", "consumer", **big)
+    assert pull_and_wait(producer, consumer, "warm", [0], [0])[0]["event"] == "FINISHED_RECEIVING"
+    blocks = list(range(1, 64))
+    assert producer.command("submit", request_id="big", blocks=[blocks])["ok"]
+    reply = consumer.command(
+        "pull", request_id="big-d", blocks=[blocks],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "big", "blocks": [blocks]},
+    )
+    assert reply["ok"]
+    p_side.kill()
+    started = time.monotonic()
+    event = consumer.wait_event("big-d", 20)[0]
+    # Either the READ finished before the kill, or it failed: never a hang.
+    assert event["event"] in ("FINISHED_RECEIVING", "LOAD_FAILED")
+    assert time.monotonic() - started < 15.0
+    assert d_side.process is not None and d_side.process.poll() is None
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    import os  # noqa: PLC0415
+
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_sidecar_with_registered_engines_uses_almost_no_cpu(sidecars, engines) -> None:
+    side = sidecars("idle")
+    producer = engines(side, "P", "producer")
+    consumer = engines(side, "D", "consumer")
+    assert pull_and_wait(producer, consumer, "once", [1], [2])[0]["event"] == "FINISHED_RECEIVING"
+    producer.wait_event("once", 10)
+    time.sleep(6.0)  # past the post-handshake polling window
+    assert side.process is not None
+    before, started = cpu_seconds(side.process.pid), time.monotonic()
+    time.sleep(5.0)
+    used = (cpu_seconds(side.process.pid) - before) / (time.monotonic() - started)
+    print(f"idle sidecar CPU: {used * 100:.2f}% of one core")
+    assert used < 0.02, f"idle sidecar used {used * 100:.1f}% of a core"
