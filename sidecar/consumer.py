@@ -321,6 +321,7 @@ class ConsumerSide:
                 decode_tp_size=engine.tp_size,
                 compatibility_hash=engine.compatibility_hash,
                 timeout_seconds=timeout,
+                decode_generation=engine.generation,
             ),
         )
         pending.registered = True

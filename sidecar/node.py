@@ -27,7 +27,7 @@ from sidecar import PROTOCOL_VERSION, __version__, validation
 from sidecar.cache_index import CacheIndex, HeldBlocks
 from sidecar.config import Settings
 from sidecar.consumer import ConsumerSide
-from sidecar.dataplane import DataPlane
+from sidecar.dataplane import DataPlane, EngineView
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from sidecar.logs import get_logger
 from sidecar.memory import MappedMemory, MemoryImporter
@@ -404,13 +404,22 @@ class Node:
             raise FailedPrecondition(
                 f"protocol revision {request.caller.versions.protocol} is not {PROTOCOL_VERSION}; upgrade the older sidecar"
             )
-        engine = self.registry.engines.get(request.engine_id)
-        if engine is None:
-            raise NotFound(f"engine_id: engine {request.engine_id!r} is not served by this sidecar")
-        self.registry.require_engine(request.engine_id, "engine_id")
-        self.check_compatibility(engine, request.compatibility_hash, f"sidecar {request.caller.address or '?'}")
+        await self.peers.note_caller(request.caller)
+        engine = self._handshake_engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
         self.transport.warm(_HANDSHAKE_WARM_SECONDS)
         return peer_pb2.HandshakeResponse(sidecar=self.sidecar_info(), engine=engine.descriptor())
+
+    def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView:
+        """A local engine as the other side of a same-node transfer (no handshake, no cache)."""
+        engine = self._handshake_engine(engine_id, compatibility_hash, "this sidecar")
+        return engine.view(self.advertise_address, self.sidecar_id)
+
+    def _handshake_engine(self, engine_id: str, compatibility_hash: str, who: str) -> Engine:
+        if engine_id not in self.registry.engines:
+            raise NotFound(f"engine_id: engine {engine_id!r} is not served by this sidecar")
+        engine = self.registry.require_engine(engine_id, "engine_id")
+        self.check_compatibility(engine, compatibility_hash, f"sidecar {who}")
+        return engine
 
     def check_compatibility(self, engine: Engine, their_hash: str, who: str) -> None:
         if their_hash and their_hash != engine.compatibility_hash:

@@ -40,6 +40,7 @@ class PeerHandler(Protocol):
     async def handle_query_cache(self, request: peer_pb2.PeerQueryCacheRequest) -> peer_pb2.PeerQueryCacheResponse: ...
     async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse: ...
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse: ...
+    def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView: ...
 
 
 _HANDLERS = {
@@ -117,7 +118,11 @@ class PeerDirectory:
     # --- handshakes -------------------------------------------------------------------------
 
     async def engine(self, address: str, engine_id: str, compatibility_hash: str) -> EngineView:
-        """The engine ``engine_id`` behind ``address``, handshaking once and caching the result."""
+        """The engine ``engine_id`` behind ``address``, handshaking once and caching the result.
+
+        Our own engines are read from the registry every time: always current, never cached."""
+        if self.is_self(address):
+            return self._local.local_engine_view(engine_id, compatibility_hash)
         key = (self._key(address), engine_id)
         cached = self._engines.get(key)
         if cached is not None:
@@ -177,6 +182,20 @@ class PeerDirectory:
             log.info("peer_forgotten", peer=address, reason=reason, engines=[view.engine_id for view in dropped])
         if names:
             await self._on_peer_restart(address, names)
+
+    async def note_caller(self, info: common_pb2.SidecarInfo) -> None:
+        """An incoming call names its sidecar: drop our cache of it if it restarted since."""
+        if info.address and info.sidecar_id and not self.is_self(info.address):
+            state = self._peers.get(self._key(info.address))
+            if state is not None and state.sidecar_id and state.sidecar_id != info.sidecar_id:
+                log.warning("peer_restarted", peer=info.address, old_sidecar_id=state.sidecar_id,
+                            new_sidecar_id=info.sidecar_id)
+                state.sidecar_id = info.sidecar_id
+                await self.forget(info.address, "peer restarted")
+
+    def cached_generation(self, address: str, engine_id: str) -> str | None:
+        view = self._engines.get((self._key(address), engine_id))
+        return None if view is None else view.generation
 
     async def forget_engine(self, address: str, engine_id: str, reason: str) -> None:
         view = self._engines.pop((self._key(address), engine_id), None)

@@ -177,6 +177,12 @@ class ProducerSide:
         engine = node.registry.engines.get(request.prefill_engine_id)
         if engine is None:
             raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
+        # A restarted consumer sidecar or a re-registered consumer engine invalidates what we cached
+        # about it: handshake again rather than write into agents that no longer exist.
+        await node.peers.note_caller(request.caller)
+        cached = node.peers.cached_generation(request.caller.address, request.decode_engine_id)
+        if cached is not None and request.decode_generation and cached != request.decode_generation:
+            await node.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
         node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
         node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
         reg_key = (request.decode_engine_id, request.request_id)

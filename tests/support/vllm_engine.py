@@ -1,0 +1,301 @@
+"""A real vLLM engine (offline ``LLMEngine``, CPU) in a child process, driven by JSON lines.
+
+Used by the end-to-end tests: ``python -m tests.support.vllm_engine --model DIR [--sidecar-socket S
+--engine-id E --role kv_producer|kv_consumer|kv_both]``. Without ``--sidecar-socket`` the engine has
+no KV connector (the baseline).
+
+Threads: a reader thread turns stdin lines into a queue; the main thread owns vLLM and steps the
+engine whenever it has work, handling commands between steps (so ``corrupt`` never races a step).
+
+stdin, one JSON object per line (``id`` is echoed in the reply):
+- ``{"op": "generate", "id", "prompt", "max_tokens", "kv_transfer_params"?}``: the reply comes
+  when the request finishes: token ids, text, kv_transfer_params, num_cached_tokens, the
+  engine's internal request id, what the shim recorded about its transfer and how many tokens
+  the scheduler was told to load from outside;
+- ``{"op": "corrupt", "id", "blocks"}``: zero these KV blocks in every layer (negative control);
+- ``{"op": "abort", "id", "request_id"}``; ``{"op": "status", "id"}``; ``{"op": "exit"}``.
+stdout: ``{"ready": {...}}`` once the engine is up, then one reply per command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _emit(payload: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def _read_stdin(commands: queue.SimpleQueue[dict[str, Any] | None]) -> None:
+    for line in sys.stdin:
+        if line.strip():
+            try:
+                commands.put(json.loads(line))
+            except ValueError:
+                _emit({"reply": "error", "ok": False, "error": f"not JSON: {line[:80]!r}"})
+    commands.put(None)  # stdin closed: the test runner is gone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tests.support.vllm_engine")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--sidecar-socket")
+    parser.add_argument("--engine-id")
+    parser.add_argument("--role", default="kv_both")
+    parser.add_argument("--transfer-mode", default="pull")
+    parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
+    parser.add_argument("--kv-bytes", type=int, default=64 << 20)
+    parser.add_argument("--block-size", type=int, default=32)
+    args = parser.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+
+    kv_transfer_config = None
+    if args.sidecar_socket:
+        extra = {"sidecar_socket": args.sidecar_socket, "transfer_mode": args.transfer_mode}
+        extra.update(json.loads(args.extra))
+        kv_transfer_config = {
+            "kv_connector": "SidecarConnector",
+            "kv_connector_module_path": "engine_shim.vllm_connector",
+            "kv_role": args.role,
+            "engine_id": args.engine_id,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    started = time.monotonic()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        block_size=args.block_size,
+        max_model_len=1024,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        seed=0,
+        kv_cache_memory_bytes=args.kv_bytes,
+        kv_transfer_config=kv_transfer_config,
+    )
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core  # in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    scheduler = core.scheduler
+    model_runner = core.model_executor.driver_worker.worker.model_runner
+    worker_connector = None
+    if kv_transfer_config is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker_connector = get_kv_transfer_group()
+    scheduler_connector = scheduler.connector
+
+    def shim_status() -> dict[str, Any]:
+        if worker_connector is None:
+            return {}
+        side = worker_connector.worker_side
+        return {"connected": side.connected, "sidecar_id": side.sidecar_id, "peer_address": side.peer_address,
+                "shm_paths": [str(path) for path in side._shm_paths]}
+
+    _emit({"ready": {"pid": os.getpid(), "startup_s": time.monotonic() - started, **shim_status()}})
+
+    commands: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+    threading.Thread(target=_read_stdin, args=(commands,), daemon=True).start()
+    pending: dict[str, tuple[str, Any]] = {}  # external request id -> (internal id, command id)
+    counter = 0
+    while True:
+        busy = engine.has_unfinished_requests() or scheduler.has_requests()
+        try:
+            # Idle: wait for a command (bounded, so a closed stdin is noticed). Busy: only peek.
+            command = commands.get_nowait() if busy else commands.get(timeout=0.05)
+        except queue.Empty:
+            command = {}
+        if command is None:
+            break  # stdin closed: the driver is gone
+        if command:
+            op = command.get("op")
+            ident = command.get("id")
+            if op == "exit":
+                break
+            try:
+                if op == "generate":
+                    counter += 1
+                    extra_args = {}
+                    if command.get("kv_transfer_params") is not None:
+                        extra_args["kv_transfer_params"] = command["kv_transfer_params"]
+                    params = SamplingParams(
+                        max_tokens=int(command.get("max_tokens", 16)), temperature=0.0, ignore_eos=True,
+                        extra_args=extra_args or None,
+                    )
+                    external = f"req-{counter}"
+                    pending[external] = (engine.add_request(external, command["prompt"], params), ident)
+                elif op == "corrupt":
+                    blocks = [int(block) for block in command["blocks"]]
+                    for layer in model_runner.kv_caches:
+                        layer[blocks] = 0
+                    _emit({"reply": op, "id": ident, "ok": True})
+                elif op == "abort":
+                    engine.abort_request([command["request_id"]], internal=True)
+                    _emit({"reply": op, "id": ident, "ok": True})
+                elif op == "status":
+                    _emit({"reply": op, "id": ident, "ok": True, **shim_status()})
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+            except Exception as exc:
+                _emit({"reply": op, "id": ident, "ok": False, "error": repr(exc)})
+            continue
+        if not busy:
+            continue
+        for output in engine.step():
+            if not output.finished or output.request_id not in pending:
+                continue
+            internal, ident = pending.pop(output.request_id)
+            completion = output.outputs[0]
+            transfer = external_tokens = None
+            if worker_connector is not None:
+                transfer = worker_connector.worker_side.transfers.get(internal)
+                external_tokens = scheduler_connector.scheduler_side.external_tokens.get(internal)
+            _emit({
+                "reply": "generate", "id": ident, "ok": True, "request_id": internal,
+                "token_ids": list(completion.token_ids), "text": completion.text,
+                "finish_reason": completion.finish_reason, "kv_transfer_params": output.kv_transfer_params,
+                "num_cached_tokens": output.num_cached_tokens, "transfer": transfer,
+                "external_tokens": external_tokens,
+            })
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(main())
+
+
+# --- the driver side (in the test process) ---------------------------------------------------------
+
+
+class VllmEngineProcess:
+    """Parent-side handle of ``python -m tests.support.vllm_engine``: start, send commands, wait
+    for replies (every wait bounded), kill by PID and remove the engine's shared-memory files."""
+
+    def __init__(self, workdir: Path, name: str, model: Path, *, cpu: int, sidecar: Path | None = None,
+                 engine_id: str | None = None, role: str = "kv_both", transfer_mode: str = "pull",
+                 extra: dict[str, Any] | None = None) -> None:
+        from tests.support.processes import python_env
+
+        self.name = name
+        self.log_path = workdir / f"vllm-{name}.log"
+        command = [sys.executable, "-m", "tests.support.vllm_engine", "--model", str(model)]
+        if sidecar is not None:
+            command += ["--sidecar-socket", str(sidecar), "--engine-id", engine_id or name, "--role", role,
+                        "--transfer-mode", transfer_mode, "--extra", json.dumps(extra or {})]
+        env = python_env({
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        })
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                        start_new_session=True)
+        log.close()
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self.ready: dict[str, Any] = {}
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            try:
+                self._replies.put(json.loads(raw))
+            except ValueError:
+                continue
+
+    def wait_ready(self, timeout: float = 120.0) -> VllmEngineProcess:
+        self.ready = self._wait(lambda m: "ready" in m, timeout)["ready"]
+        return self
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _wait(self, predicate: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        kept: list[dict[str, Any]] = []
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"vLLM {self.name}: no answer within {timeout}s; log:\n{self.log_tail()}")
+                try:
+                    message = self._replies.get(timeout=min(remaining, 0.5))
+                except queue.Empty:
+                    if self.process.poll() is not None:
+                        raise RuntimeError(
+                            f"vLLM {self.name} exited with {self.process.returncode}; log:\n{self.log_tail()}"
+                        ) from None
+                    continue
+                if predicate(message):
+                    return message
+                kept.append(message)
+        finally:
+            for message in kept:
+                self._replies.put(message)
+
+    def send(self, op: str, **fields: Any) -> int:
+        with self._lock:
+            self._next_id += 1
+            ident = self._next_id
+            assert self.process.stdin is not None
+            self.process.stdin.write((json.dumps({"op": op, "id": ident, **fields}) + "\n").encode())
+            self.process.stdin.flush()
+        return ident
+
+    def reply(self, ident: int, timeout: float = 60.0) -> dict[str, Any]:
+        message = self._wait(lambda m: m.get("id") == ident, timeout)
+        if not message.get("ok"):
+            raise RuntimeError(f"vLLM {self.name}: {message}")
+        return message
+
+    def command(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
+        return self.reply(self.send(op, **fields), timeout)
+
+    def generate(self, prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+                 timeout: float = 60.0) -> dict[str, Any]:
+        return self.command("generate", timeout, prompt=prompt, max_tokens=max_tokens,
+                            kv_transfer_params=kv_transfer_params)
+
+    def shm_paths(self) -> list[Path]:
+        return [Path(path) for path in self.ready.get("shm_paths", [])]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write(b'{"op": "exit"}\n')
+                self.process.stdin.flush()
+                self.process.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+        # The shim names its files kvsvllm-<engine>-<rank>-<pid>-*; remove them even after a kill.
+        for path in Path("/dev/shm").glob(f"kvsvllm-*-{self.process.pid}-*"):
+            path.unlink(missing_ok=True)
