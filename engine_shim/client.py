@@ -93,7 +93,9 @@ class SidecarClient:
         response: engine_pb2.RegisterWorkerResponse = self.stub.RegisterWorker(request, timeout=self.timeout)
         return response
 
-    def unregister_worker(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> engine_pb2.UnregisterWorkerResponse:
+    def unregister_worker(
+        self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0
+    ) -> engine_pb2.UnregisterWorkerResponse:
         request = engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
         response: engine_pb2.UnregisterWorkerResponse = self.stub.UnregisterWorker(request, timeout=self.timeout)
         return response
@@ -158,11 +160,18 @@ class SidecarClient:
         return self.stub.Pull.future(self.pull_request(*args, **kwargs), timeout=self.timeout)
 
     def keep_alive_async(
-        self, engine_id: str, request_id: str, remote_blocks: engine_pb2.RemoteBlocks, transfer_id: str = "",
+        self,
+        engine_id: str,
+        request_id: str,
+        remote_blocks: engine_pb2.RemoteBlocks,
+        transfer_id: str = "",
         timeout_seconds: float = 0.0,
     ) -> grpc.Future:
         request = engine_pb2.KeepAliveRequest(
-            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, remote=remote_blocks,
+            engine_id=engine_id,
+            request_id=request_id,
+            transfer_id=transfer_id,
+            remote=remote_blocks,
             timeout_seconds=timeout_seconds,
         )
         return self.stub.KeepAlive.future(request, timeout=self.timeout)
@@ -198,13 +207,19 @@ class SidecarClient:
     def expect_push_async(self, *args: Any, **kwargs: Any) -> grpc.Future:
         return self.stub.ExpectPush.future(self.expect_push_request(*args, **kwargs), timeout=self.timeout)
 
-    def release(self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = "") -> engine_pb2.ReleaseResponse:
-        request = engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
+    def release(
+        self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
+    ) -> engine_pb2.ReleaseResponse:
+        request = engine_pb2.ReleaseRequest(
+            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
+        )
         response: engine_pb2.ReleaseResponse = self.stub.Release(request, timeout=self.timeout)
         return response
 
     def release_async(self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = "") -> grpc.Future:
-        request = engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
+        request = engine_pb2.ReleaseRequest(
+            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
+        )
         return self.stub.Release.future(request, timeout=self.timeout)
 
     def hold_blocks(

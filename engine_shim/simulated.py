@@ -114,7 +114,9 @@ class SimulatedEngine:
         for worker in self.workers:
             for layer in range(self.layout.num_layers):
                 for block in block_ids:
-                    self.block(worker.rank, layer, block)[:] = pattern(seed, worker.rank, layer, block, self.layout.block_len)
+                    self.block(worker.rank, layer, block)[:] = pattern(
+                        seed, worker.rank, layer, block, self.layout.block_len
+                    )
 
     def clear(self) -> None:
         for worker in self.workers:
@@ -134,7 +136,7 @@ class SimulatedEngine:
         for worker in self.workers:
             try:
                 worker.client.unregister_worker(self.engine_id, worker.rank)
-            except Exception:  # noqa: BLE001 - the sidecar may be gone already
+            except Exception:
                 pass
             if worker.watcher is not None:
                 worker.watcher.cancel()
@@ -183,28 +185,33 @@ def main(argv: list[str] | None = None) -> int:
     layout = KvLayout(
         args.layers, args.blocks, args.block_len, num_kv_heads=args.heads, total_num_kv_heads=args.heads * args.tp
     )
+
     def forward(rank: int, event: engine_pb2.Event) -> None:
-        emit({
-            "event": engine_pb2.EventKind.Name(event.kind),
-            "request_id": event.request_id,
-            "rank": rank,
-            "reason": event.reason,
-            "failed_block_ids": list(event.failed_block_ids),
-            "bytes": event.bytes,
-        })
+        emit(
+            {
+                "event": engine_pb2.EventKind.Name(event.kind),
+                "request_id": event.request_id,
+                "rank": rank,
+                "reason": event.reason,
+                "failed_block_ids": list(event.failed_block_ids),
+                "bytes": event.bytes,
+            }
+        )
 
     def closed(rank: int, reason: str) -> None:
         emit({"event": "STREAM_CLOSED", "rank": rank, "reason": reason})
 
     engine = SimulatedEngine(args.socket, args.engine_id, args.role, layout, args.tp, {"model": args.model})
     engine.start(on_event=forward, on_closed=closed)
-    emit({
-        "ready": {
-            "peer_address": engine.peer_address,
-            "buffers": [str(worker.buffer.path) for worker in engine.workers],
-            "pid": os.getpid(),
+    emit(
+        {
+            "ready": {
+                "peer_address": engine.peer_address,
+                "buffers": [str(worker.buffer.path) for worker in engine.workers],
+                "pid": os.getpid(),
+            }
         }
-    })
+    )
     client = engine.client
     try:
         for line in sys.stdin:
@@ -231,16 +238,27 @@ def main(argv: list[str] | None = None) -> int:
                 elif op in ("pull", "expect_push"):
                     spec = command["remote"]
                     target = remote(
-                        spec.get("address", ""), spec["engine_id"], spec.get("request_id", ""),
-                        _blocks(spec.get("blocks", [])), spec.get("tp_size", 0),
+                        spec.get("address", ""),
+                        spec["engine_id"],
+                        spec.get("request_id", ""),
+                        _blocks(spec.get("blocks", [])),
+                        spec.get("tp_size", 0),
                     )
                     if op == "pull":
-                        client.pull(engine.engine_id, command["request_id"], _blocks(command["blocks"]), target,
-                                    transfer_id=command.get("transfer_id", ""))
+                        client.pull(
+                            engine.engine_id,
+                            command["request_id"],
+                            _blocks(command["blocks"]),
+                            target,
+                            transfer_id=command.get("transfer_id", ""),
+                        )
                         result = {}
                     else:
                         reply = client.expect_push(
-                            engine.engine_id, command["request_id"], _blocks(command["blocks"]), target,
+                            engine.engine_id,
+                            command["request_id"],
+                            _blocks(command["blocks"]),
+                            target,
                             transfer_id=command.get("transfer_id", ""),
                             timeout_seconds=command.get("timeout_seconds", 0.0),
                         )
@@ -251,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     raise ValueError(f"unknown op {op!r}")
                 emit({"reply": op, "ok": True, "id": command.get("id"), **result})
-            except Exception as exc:  # noqa: BLE001 - reported to the driver
+            except Exception as exc:
                 emit({"reply": op, "ok": False, "id": command.get("id"), "error": str(exc)})
     finally:
         engine.close()

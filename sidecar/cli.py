@@ -64,8 +64,8 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sidecar.config import ConfigError, load_settings  # noqa: PLC0415
-    from sidecar.logs import configure_logging  # noqa: PLC0415
+    from sidecar.config import ConfigError, load_settings
+    from sidecar.logs import configure_logging
 
     overrides = _parse_sets(args.set)
     for flag, (setting, _, _) in _SERVE_FLAGS.items():
@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    from sidecar.server import serve  # noqa: PLC0415 - imports grpc and NIXL
+    from sidecar.server import serve
 
     return asyncio.run(serve(settings))
 
@@ -93,7 +93,7 @@ def _add_status(subparsers: Any) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from sidecar.status_view import fetch_status, render_json, render_tables  # noqa: PLC0415
+    from sidecar.status_view import fetch_status, render_json, render_tables
 
     try:
         response = fetch_status(args.socket, args.requests, args.timeout)
@@ -105,7 +105,9 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving"
+    )
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)

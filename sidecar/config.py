@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_advertise(cls, value: str | None) -> str | None:
         if value is not None:
-            host, port = split_host_port(value, "advertise")
+            _host, port = split_host_port(value, "advertise")
             if port == 0:
                 raise ValueError("advertise needs a real port, not 0")
         return value

@@ -142,18 +142,23 @@ class ConsumerSide:
 
     async def pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
         node = self._node
-        local = self._validate_fields(request.engine_id, request.request_id, request.transfer_id,
-                                      request.local_block_ids, "local_block_ids")
+        local = self._validate_fields(
+            request.engine_id, request.request_id, request.transfer_id, request.local_block_ids, "local_block_ids"
+        )
         remote_blocks = validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, True)
         validation.identifier(request.remote.request_id, "remote.request_id")
         if len(remote_blocks) != len(local):
-            raise InvalidArgument("remote.block_ids", f"lists {len(remote_blocks)} groups, local_block_ids {len(local)}")
+            raise InvalidArgument(
+                "remote.block_ids", f"lists {len(remote_blocks)} groups, local_block_ids {len(local)}"
+            )
         for group, (mine, theirs) in enumerate(zip(local, remote_blocks, strict=True)):
             if len(mine) > len(theirs):
                 raise InvalidArgument(
                     "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
                 )
-        timeout = validation.duration(request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds)
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
+        )
         engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
         pending = ConsumerRequest(
             engine_id=request.engine_id,
@@ -173,8 +178,9 @@ class ConsumerSide:
 
     async def expect_push(self, request: engine_pb2.ExpectPushRequest) -> engine_pb2.ExpectPushResponse:
         node = self._node
-        local = self._validate_fields(request.engine_id, request.request_id, request.transfer_id,
-                                      request.block_ids, "block_ids")
+        local = self._validate_fields(
+            request.engine_id, request.request_id, request.transfer_id, request.block_ids, "block_ids"
+        )
         validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
@@ -246,7 +252,9 @@ class ConsumerSide:
 
     # --- pull ---------------------------------------------------------------------------------
 
-    async def _run_pull(self, pending: ConsumerRequest, engine: Engine, remote_blocks: BlockIds, timeout: float) -> None:
+    async def _run_pull(
+        self, pending: ConsumerRequest, engine: Engine, remote_blocks: BlockIds, timeout: float
+    ) -> None:
         node = self._node
         address = pending.remote.address
         if not any(pending.local_blocks):
@@ -286,7 +294,9 @@ class ConsumerSide:
             pending.transferring = False
         pending.bytes_moved = outcome.bytes
         if outcome.ok:
-            node.metrics.request_duration.labels(mode="pull", side="consumer").observe(time.monotonic() - pending.created)
+            node.metrics.request_duration.labels(mode="pull", side="consumer").observe(
+                time.monotonic() - pending.created
+            )
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         if outcome.peer_gone:
@@ -301,8 +311,9 @@ class ConsumerSide:
         address = pending.remote.address
         view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
         # The producer will initiate; check the pairing from its side.
-        check_compatible([w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()],
-                         engine.tp_size)
+        check_compatible(
+            [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
+        )
         if pending.remote.tp_size and pending.remote.tp_size != view.tp_size:
             raise FailedPrecondition(
                 f"remote.tp_size is {pending.remote.tp_size} but engine {view.engine_id} has TP {view.tp_size}"
@@ -358,7 +369,7 @@ class ConsumerSide:
             await asyncio.sleep(self._node.settings.heartbeat_interval)
             try:
                 await self.heartbeat_once()
-            except Exception as exc:  # noqa: BLE001 - the loop must survive anything
+            except Exception as exc:
                 log.exception("heartbeat_round_failed", error=str(exc))
 
     async def heartbeat_once(self) -> None:
@@ -371,7 +382,9 @@ class ConsumerSide:
         for kept in self.kept.values():
             groups.setdefault((kept.remote.address, kept.remote.engine_id), []).append(kept)
         if groups:
-            await asyncio.gather(*(self._heartbeat(address, engine, group) for (address, engine), group in groups.items()))
+            await asyncio.gather(
+                *(self._heartbeat(address, engine, group) for (address, engine), group in groups.items())
+            )
 
     async def _heartbeat(self, address: str, engine_id: str, group: list[ConsumerRequest | KeptAlive]) -> None:
         node = self._node
@@ -392,8 +405,9 @@ class ConsumerSide:
             key = item.heartbeat_key()
             if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown:
                 lost.append(item)
-        self._producer_lost(lost, "the producer no longer holds the request (expired, released or restarted)",
-                            "producer_lost")
+        self._producer_lost(
+            lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"
+        )
 
     def _producer_lost(self, items: list[ConsumerRequest | KeptAlive], reason: str, label: str) -> None:
         for item in items:
@@ -401,8 +415,9 @@ class ConsumerSide:
             if isinstance(item, KeptAlive):
                 if self.kept.pop(key, None) is not None:
                     self._lost[key] = reason
-                    log.warning("producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id,
-                                reason=reason)
+                    log.warning(
+                        "producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id, reason=reason
+                    )
             elif not item.transferring and key in self.requests:
                 self._fail(item, reason, reason_label=label)
 

@@ -140,7 +140,9 @@ class DataPlane:
 
     @staticmethod
     def check(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> None:
-        check_compatible([w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size)
+        check_compatible(
+            [w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size
+        )
 
     async def run(
         self,
@@ -164,8 +166,22 @@ class DataPlane:
             local_ids = descriptor_indices(worker.layout, initiator_blocks)
             for pairing in pairings(initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
-                jobs.append(self._post(op, worker, other, pairing, local_ids, target_blocks, target, target_request_id,
-                                       transfer_id, initiator_tp, deadline, not_after))
+                jobs.append(
+                    self._post(
+                        op,
+                        worker,
+                        other,
+                        pairing,
+                        local_ids,
+                        target_blocks,
+                        target,
+                        target_request_id,
+                        transfer_id,
+                        initiator_tp,
+                        deadline,
+                        not_after,
+                    )
+                )
         for rank in unpaired_targets(initiator_tp, target.tp_size, is_mla):
             for worker in initiator:
                 if worker.layout.tp_rank == 0:
@@ -183,7 +199,9 @@ class DataPlane:
             results=results,
         )
 
-    def notice(self, target: EngineView, request_id: str, transfer_id: str, initiator_tp: int, target_rank: int) -> bytes:
+    def notice(
+        self, target: EngineView, request_id: str, transfer_id: str, initiator_tp: int, target_rank: int
+    ) -> bytes:
         return peer_pb2.TransferNotice(
             engine_id=target.engine_id,
             request_id=request_id,
@@ -225,10 +243,12 @@ class DataPlane:
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:
             await self._transport.notify(worker.agent_name, other.agent, payload)
-        except Exception as exc:  # noqa: BLE001 - reported like a failed transfer
+        except Exception as exc:
             return TransferResult(False, f"notification failed: {exc}")
         return TransferResult(True)
 
 
 def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:
-    return DlistSpec(key=("view", view.index, view.count), build=lambda: view_descriptors(layout, view), mem_type=mem_type)
+    return DlistSpec(
+        key=("view", view.index, view.count), build=lambda: view_descriptors(layout, view), mem_type=mem_type
+    )

@@ -172,7 +172,9 @@ class PushMatcher:
         return found
 
     @staticmethod
-    def _discard(index: dict[tuple[str, str], set[tuple[str, str]]], slot: tuple[str, str], key: tuple[str, str]) -> None:
+    def _discard(
+        index: dict[tuple[str, str], set[tuple[str, str]]], slot: tuple[str, str], key: tuple[str, str]
+    ) -> None:
         keys = index.get(slot)
         if keys is not None:
             keys.discard(key)

@@ -123,7 +123,9 @@ class MemoryImporter:
         real = Path(os.path.realpath(path))
         if not any(real.is_relative_to(directory) for directory in self._shm_dirs):
             allowed = ", ".join(str(directory) for directory in self._shm_dirs)
-            raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} is outside the allowed shm dirs ({allowed})")
+            raise InvalidArgument(
+                f"{field_name}.shm_path", f"{spec.shm_path} is outside the allowed shm dirs ({allowed})"
+            )
         try:
             fd = os.open(real, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:

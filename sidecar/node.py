@@ -78,7 +78,9 @@ class Node:
         self.peers.set_self_addresses([advertise_address, *bound_addresses])
         self.transport.start(asyncio.get_running_loop())
         self.consumer.start()
-        log.info("node_started", sidecar_id=self.sidecar_id, advertise=advertise_address, nixl=self.transport.nixl_version)
+        log.info(
+            "node_started", sidecar_id=self.sidecar_id, advertise=advertise_address, nixl=self.transport.nixl_version
+        )
 
     async def drain(self, grace: float) -> None:
         """Refuse new work and give running requests up to ``grace`` seconds to finish."""
@@ -124,7 +126,9 @@ class Node:
         if self.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         if current >= self.settings.max_pending_requests:
-            raise ResourceExhausted(f"{current} requests are pending, the limit is {self.settings.max_pending_requests}")
+            raise ResourceExhausted(
+                f"{current} requests are pending, the limit is {self.settings.max_pending_requests}"
+            )
 
     def sidecar_info(self) -> common_pb2.SidecarInfo:
         return common_pb2.SidecarInfo(
@@ -142,7 +146,9 @@ class Node:
         )
 
     def _engine_versions(self) -> str:
-        return ", ".join(sorted({engine.engine_version for engine in self.registry.engines.values() if engine.engine_version}))
+        return ", ".join(
+            sorted({engine.engine_version for engine in self.registry.engines.values() if engine.engine_version})
+        )
 
     # --- registration -------------------------------------------------------------------------
 
@@ -170,14 +176,21 @@ class Node:
                         "unregister them first"
                     )
         else:
-            engine = Engine(spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version)
+            engine = Engine(
+                spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version
+            )
         memories: list[MappedMemory] = []
         try:
             for index, export in enumerate(spec.exports):
                 memories.append(self.memory.map(export, f"exports[{index}]"))
             regions = tuple(
-                RegionLayout(region.name, memories[region.export_index].address + region.offset, region.block_len,
-                             region.block_stride, region.group_id)
+                RegionLayout(
+                    region.name,
+                    memories[region.export_index].address + region.offset,
+                    region.block_len,
+                    region.block_stride,
+                    region.group_id,
+                )
                 for region in spec.regions
             )
             geometry = spec.geometry
@@ -195,7 +208,8 @@ class Node:
                 device_id=memories[0].device_id,
             )
             mem_type = memories[0].kind
-            agent_name = f"kvs-{self.sidecar_id[:8]}-{next(self._agent_counter)}-{spec.engine_id}-pp{spec.pp_rank}-tp{spec.tp_rank}"
+            serial = next(self._agent_counter)
+            agent_name = f"kvs-{self.sidecar_id[:8]}-{serial}-{spec.engine_id}-pp{spec.pp_rank}-tp{spec.tp_rank}"
             metadata = await self.transport.create_agent(
                 agent_name, [(memory.address, memory.length, memory.device_id) for memory in memories], mem_type
             )
@@ -246,7 +260,9 @@ class Node:
             engine_complete=engine.complete,
         )
 
-    async def unregister_worker(self, request: engine_pb2.UnregisterWorkerRequest) -> engine_pb2.UnregisterWorkerResponse:
+    async def unregister_worker(
+        self, request: engine_pb2.UnregisterWorkerRequest
+    ) -> engine_pb2.UnregisterWorkerResponse:
         validation.identifier(request.engine_id, "engine_id")
         worker = self.registry.worker(request.engine_id, request.tp_rank, request.pp_rank)
         if worker is None:
@@ -285,7 +301,9 @@ class Node:
     def _attach_timeout(self, worker: Worker) -> None:
         worker.attach_timer = None
         if worker.watchers == 0 and self.registry.by_agent(worker.agent_name) is worker:
-            log.warning("worker_never_attached", worker=worker.worker_id, timeout=self.settings.worker_attach_timeout_seconds)
+            log.warning(
+                "worker_never_attached", worker=worker.worker_id, timeout=self.settings.worker_attach_timeout_seconds
+            )
             self.spawn(self.remove_worker(worker, "never opened WatchEvents"), engines=[])
 
     def _update_registration_gauges(self) -> None:
@@ -387,7 +405,12 @@ class Node:
     def cache_hold(self, pending: ProducerRequest, conversation_id: str) -> None:
         """Index held blocks for cache queries; the producer lease (the hold TTL) expires them."""
         entry = HeldBlocks(
-            pending.engine_id, pending.request_id, conversation_id, pending.block_ids, pending.num_tokens, time.monotonic()
+            pending.engine_id,
+            pending.request_id,
+            conversation_id,
+            pending.block_ids,
+            pending.num_tokens,
+            time.monotonic(),
         )
         self.cache.hold(entry)
         self.metrics.held_requests.set(len(self.cache))
@@ -402,7 +425,8 @@ class Node:
         validation.identifier(request.engine_id, "engine_id")
         if request.caller.versions.protocol and request.caller.versions.protocol != PROTOCOL_VERSION:
             raise FailedPrecondition(
-                f"protocol revision {request.caller.versions.protocol} is not {PROTOCOL_VERSION}; upgrade the older sidecar"
+                f"protocol revision {request.caller.versions.protocol} is not {PROTOCOL_VERSION}; "
+                "upgrade the older sidecar"
             )
         await self.peers.note_caller(request.caller)
         engine = self._handshake_engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
@@ -425,8 +449,11 @@ class Node:
         if their_hash and their_hash != engine.compatibility_hash:
             self.metrics.handshake_failures.labels(reason="compatibility_hash").inc()
             log.warning(
-                "compatibility_hash_mismatch", engine_id=engine.engine_id, local=engine.compatibility_hash,
-                remote=their_hash, peer=who,
+                "compatibility_hash_mismatch",
+                engine_id=engine.engine_id,
+                local=engine.compatibility_hash,
+                remote=their_hash,
+                peer=who,
             )
             raise FailedPrecondition(
                 f"compatibility hash mismatch for engine {engine.engine_id!r}: local {engine.compatibility_hash}, "
@@ -480,7 +507,7 @@ class Node:
                 continue
             try:
                 notice = peer_pb2.TransferNotice.FromString(payload)
-            except Exception:  # noqa: BLE001 - hostile or foreign payloads are dropped
+            except Exception:
                 log.warning("malformed_notification", agent=agent_name, size=len(payload))
                 continue
             if notice.engine_id != worker.engine_id:
@@ -553,4 +580,3 @@ class Node:
             response.requests.extend(self.producer.status_rows())
             response.requests.extend(self.consumer.status_rows())
         return response
-

@@ -12,32 +12,32 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, node: Node) -> None:
         self._node = node
 
-    async def Handshake(  # noqa: N802 - gRPC method names
+    async def Handshake(
         self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HandshakeResponse:
         return await self._node.handle_handshake(request)
 
-    async def PushReg(  # noqa: N802
+    async def PushReg(
         self, request: peer_pb2.PushRegRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PushRegResponse:
         return await self._node.handle_push_reg(request)
 
-    async def Heartbeat(  # noqa: N802
+    async def Heartbeat(
         self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HeartbeatResponse:
         return await self._node.handle_heartbeat(request)
 
-    async def QueryCache(  # noqa: N802
+    async def QueryCache(
         self, request: peer_pb2.PeerQueryCacheRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerQueryCacheResponse:
         return await self._node.handle_query_cache(request)
 
-    async def TransferFailed(  # noqa: N802
+    async def TransferFailed(
         self, request: peer_pb2.TransferFailedRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.TransferFailedResponse:
         return await self._node.handle_transfer_failed(request)
 
-    async def Release(  # noqa: N802
+    async def Release(
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
         return await self._node.handle_release(request)

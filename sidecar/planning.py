@@ -173,7 +173,9 @@ def expected_notifications(initiator_tp: int, target_tp: int, target_rank: int, 
 def unpaired_targets(initiator_tp: int, target_tp: int, is_mla: bool) -> list[int]:
     """Target ranks no initiator transfers to (they get a bare notification from rank 0)."""
     reached = {
-        pairing.target_rank for rank in range(initiator_tp) for pairing in pairings(initiator_tp, target_tp, rank, is_mla)
+        pairing.target_rank
+        for rank in range(initiator_tp)
+        for pairing in pairings(initiator_tp, target_tp, rank, is_mla)
     }
     return [rank for rank in range(target_tp) if rank not in reached]
 

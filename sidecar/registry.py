@@ -186,10 +186,11 @@ class Registry:
             raise NotFound(f"{field_name}: engine {engine_id!r} is not registered with this sidecar")
         if not engine.complete:
             raise FailedPrecondition(
-                f"engine {engine_id!r} has {len(engine.workers)} of {engine.tp_size * engine.pp_size} workers registered"
+                f"engine {engine_id!r} has {len(engine.workers)} of {engine.tp_size * engine.pp_size} "
+                "workers registered"
             )
         if roles is not None and engine.role not in roles:
-            role = common_pb2.EngineRole.Name(engine.role)  # type: ignore[arg-type]
+            role = common_pb2.EngineRole.Name(engine.role)
             raise FailedPrecondition(f"engine {engine_id!r} is registered as {role}, which cannot do this")
         return engine
 

@@ -47,7 +47,7 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_na
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
 
-class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class CallInterceptor(grpc.aio.ServerInterceptor):
     """Per call: bind logging context, count and time it, and map domain errors to statuses.
 
     A ``SidecarError`` becomes its status with its message; anything else is a bug, logged with
@@ -156,7 +156,7 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     def deserialize(data: bytes) -> Any:
         try:
             return deserializer(data)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's fault
+        except Exception as exc:
             return _Undecodable(str(exc))
 
     return deserialize
@@ -240,7 +240,9 @@ class SidecarServer:
         self.peer_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node), self.peer_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.peer_health, self.peer_server)
-        reflection.enable_server_reflection([PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server)
+        reflection.enable_server_reflection(
+            [PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
+        )
         if settings.tls_enabled:
             assert settings.peer_tls_key and settings.peer_tls_cert and settings.peer_tls_ca
             credentials = grpc.ssl_server_credentials(
@@ -265,7 +267,10 @@ class SidecarServer:
             metrics_host, metrics_port = split_host_port(settings.metrics_listen, "metrics_listen")
             self._metrics_http, self.metrics_port = node.metrics.serve_http(metrics_host, metrics_port)
 
-        for servicer, names in ((self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)), (self.peer_health, (PEER_SERVICE,))):
+        for servicer, names in (
+            (self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)),
+            (self.peer_health, (PEER_SERVICE,)),
+        ):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             for name in names:
                 await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

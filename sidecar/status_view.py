@@ -13,7 +13,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 def fetch_status(socket_path: Path | None, include_requests: bool, timeout: float) -> engine_pb2.GetStatusResponse:
     if socket_path is None:
-        from sidecar.config import load_settings  # noqa: PLC0415 - honours KVSIDECAR_ENGINE_SOCKET
+        from sidecar.config import load_settings
 
         socket_path = load_settings().engine_socket
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
@@ -28,13 +28,17 @@ def fetch_status(socket_path: Path | None, include_requests: bool, timeout: floa
 
 
 def render_json(response: engine_pb2.GetStatusResponse) -> str:
-    return json_format.MessageToJson(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return json_format.MessageToJson(
+        response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
-             for row in [headers, *rows]]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip()
+        for row in [headers, *rows]
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 
@@ -56,45 +60,70 @@ def render_tables(response: engine_pb2.GetStatusResponse) -> str:
         + ("  DRAINING" if response.draining else ""),
         "",
         f"leases {response.leases}  transfers in flight {response.transfers_in_flight}  "
-        f"pending receives {response.pending_receives}  push registrations waiting {response.pending_push_registrations}  "
+        f"pending receives {response.pending_receives}  "
+        f"push registrations waiting {response.pending_push_registrations}  "
         f"unmatched submissions {response.unmatched_submissions}  held {response.held_requests}",
         "",
     ]
     rows = []
     for engine in response.engines:
         for worker in engine.workers:
-            rows.append([
-                engine.engine_id,
-                common_pb2.EngineRole.Name(engine.role).removeprefix("ENGINE_ROLE_").lower(),
-                f"tp{worker.tp_rank}/{engine.tp_size} pp{worker.pp_rank}/{engine.pp_size}",
-                "yes" if engine.complete else "no",
-                _bytes(worker.registered_bytes),
-                str(worker.num_regions),
-                "yes" if worker.watching else "no",
-                str(worker.pid or ""),
-                worker.agent_name,
-            ])
+            rows.append(
+                [
+                    engine.engine_id,
+                    common_pb2.EngineRole.Name(engine.role).removeprefix("ENGINE_ROLE_").lower(),
+                    f"tp{worker.tp_rank}/{engine.tp_size} pp{worker.pp_rank}/{engine.pp_size}",
+                    "yes" if engine.complete else "no",
+                    _bytes(worker.registered_bytes),
+                    str(worker.num_regions),
+                    "yes" if worker.watching else "no",
+                    str(worker.pid or ""),
+                    worker.agent_name,
+                ]
+            )
     out.append("ENGINES")
-    out.append(_table(["engine", "role", "rank", "complete", "registered", "regions", "watching", "pid", "agent"], rows)
-               if rows else "  (none registered)")
+    out.append(
+        _table(["engine", "role", "rank", "complete", "registered", "regions", "watching", "pid", "agent"], rows)
+        if rows
+        else "  (none registered)"
+    )
     out.append("")
     peer_rows = [
-        [peer.address, peer.sidecar_id[:12], ",".join(peer.engine_ids) or "-",
-         f"{peer.last_seen_seconds_ago:.1f}s" if peer.last_seen_seconds_ago >= 0 else "-",
-         f"{peer.handshake_ms:.1f}", str(peer.consecutive_failures)]
+        [
+            peer.address,
+            peer.sidecar_id[:12],
+            ",".join(peer.engine_ids) or "-",
+            f"{peer.last_seen_seconds_ago:.1f}s" if peer.last_seen_seconds_ago >= 0 else "-",
+            f"{peer.handshake_ms:.1f}",
+            str(peer.consecutive_failures),
+        ]
         for peer in response.peers
     ]
     out.append("PEERS")
-    out.append(_table(["address", "sidecar", "engines", "last seen", "handshake ms", "failures"], peer_rows)
-               if peer_rows else "  (none)")
+    out.append(
+        _table(["address", "sidecar", "engines", "last seen", "handshake ms", "failures"], peer_rows)
+        if peer_rows
+        else "  (none)"
+    )
     if response.requests:
         out.append("")
         out.append("REQUESTS")
-        out.append(_table(
-            ["engine", "request", "transfer", "side", "mode", "state", "deadline", "blocks"],
-            [[r.engine_id, r.request_id, r.transfer_id or "-", r.side,
-              common_pb2.TransferMode.Name(r.mode).removeprefix("TRANSFER_MODE_").lower(), r.state,
-              f"{r.deadline_in_seconds:.1f}s" if r.deadline_in_seconds >= 0 else "-", str(r.num_blocks)]
-             for r in response.requests],
-        ))
+        out.append(
+            _table(
+                ["engine", "request", "transfer", "side", "mode", "state", "deadline", "blocks"],
+                [
+                    [
+                        r.engine_id,
+                        r.request_id,
+                        r.transfer_id or "-",
+                        r.side,
+                        common_pb2.TransferMode.Name(r.mode).removeprefix("TRANSFER_MODE_").lower(),
+                        r.state,
+                        f"{r.deadline_in_seconds:.1f}s" if r.deadline_in_seconds >= 0 else "-",
+                        str(r.num_blocks),
+                    ]
+                    for r in response.requests
+                ],
+            )
+        )
     return "\n".join(out)

@@ -56,14 +56,14 @@ class NixlUnavailable(RuntimeError):
 def load_nixl() -> tuple[Any, Any, str]:
     """Import NIXL's Python API; returns (api module, bindings module, version string)."""
     try:
-        import nixl_cu12._api as api  # noqa: PLC0415
-        import nixl_cu12._bindings as bindings  # noqa: PLC0415
+        import nixl_cu12._api as api
+        import nixl_cu12._bindings as bindings
     except ImportError as exc:
         raise NixlUnavailable(
             "NIXL is not installed. Install it with `pip install --no-deps nixl-cu12==1.5.1 numpy` "
             f"(its plain dependency list pulls a CUDA torch). Import error: {exc}"
         ) from exc
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
         nixl_version = "nixl-cu12 " + version("nixl-cu12")
@@ -256,7 +256,7 @@ class NixlTransport:
     def _execute(function: Callable[..., Any], args: tuple[Any, ...], future: concurrent.futures.Future[Any]) -> None:
         try:
             result = function(*args)
-        except Exception as exc:  # noqa: BLE001 - reported to the waiter
+        except Exception as exc:
             if not future.done():
                 future.set_exception(exc)
             return
@@ -270,7 +270,7 @@ class NixlTransport:
         for name, state in self._agents.items():
             try:
                 new = state.agent.get_new_notifs()
-            except Exception as exc:  # noqa: BLE001 - a broken peer must not stop the loop
+            except Exception as exc:
                 log.warning("nixl_notification_poll_failed", agent=name, error=str(exc))
                 continue
             for messages in new.values():
@@ -281,17 +281,17 @@ class NixlTransport:
             self._loop.call_soon_threadsafe(self._on_notifications, notifications)
         now = time.monotonic()
         for xfer_id, xfer in list(self._in_flight.items()):
-            state = self._agents.get(xfer.agent_name)
-            if state is None:
+            owner = self._agents.get(xfer.agent_name)
+            if owner is None:
                 continue
             try:
-                status = state.agent.check_xfer_state(xfer.handle)
-            except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+                status = owner.agent.check_xfer_state(xfer.handle)
+            except Exception as exc:
                 self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
                 progressed = True
                 continue
             if status == "DONE":
-                self._finish(xfer_id, self._telemetry(state, xfer))
+                self._finish(xfer_id, self._telemetry(owner, xfer))
                 progressed = True
             elif status != "PROC":
                 self._finish(xfer_id, TransferResult(False, f"NIXL reported transfer state {status}"))
@@ -316,7 +316,7 @@ class NixlTransport:
             result.descriptors = int(telemetry.descCount)
             result.duration_s = telemetry.xferDuration / 1e6
             result.post_s = telemetry.postDuration / 1e6
-        except Exception:  # noqa: BLE001 - telemetry is best effort
+        except Exception:
             pass
         return result
 
@@ -337,7 +337,7 @@ class NixlTransport:
         try:
             xfer.handle.release()
             return True
-        except Exception:  # noqa: BLE001 - NIXL refuses to release an active transfer
+        except Exception:
             return False
 
     @staticmethod
@@ -457,15 +457,17 @@ class NixlTransport:
             handle = state.agent.make_prepped_xfer(
                 op, local_handle, local_indices, remote_handle, remote_indices, notif_msg=notification
             )
-        except Exception as exc:  # noqa: BLE001 - reported as a failed transfer
-            self._complete(future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc)))
+        except Exception as exc:
+            self._complete(
+                future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
+            )
             return _DEFERRED
         xfer = _InFlight(agent_name, handle, op, deadline, future, now)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
             status = state.agent.transfer(handle)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
             return _DEFERRED
         if status == "DONE":
@@ -501,5 +503,5 @@ def _is_disconnect(exc: BaseException) -> bool:
 def _quietly(function: Callable[..., Any], *args: Any) -> None:
     try:
         function(*args)
-    except Exception as exc:  # noqa: BLE001 - cleanup must go on
+    except Exception as exc:
         log.debug("nixl_cleanup_failed", call=getattr(function, "__name__", "?"), error=str(exc))

@@ -160,14 +160,15 @@ def register_worker(request: engine_pb2.RegisterWorkerRequest) -> WorkerSpec:
         if region.group_id >= MAX_GROUPS:
             raise InvalidArgument(f"{field}.group_id", f"must be below {MAX_GROUPS}")
         end = region.offset + (geometry.num_blocks - 1) * stride + region.block_len
-        export = exports[region.export_index]
-        if end > export.length:
+        if end > exports[region.export_index].length:
             raise InvalidArgument(
                 f"{field}",
                 f"{geometry.num_blocks} blocks of {region.block_len} bytes every {stride} bytes from offset "
-                f"{region.offset} end at byte {end}, past the export's {export.length} bytes",
+                f"{region.offset} end at byte {end}, past the export's {exports[region.export_index].length} bytes",
             )
-        regions.append(RegionSpec(region.name, region.export_index, region.offset, region.block_len, stride, region.group_id))
+        regions.append(
+            RegionSpec(region.name, region.export_index, region.offset, region.block_len, stride, region.group_id)
+        )
     names = [region.name for region in regions]
     if len(set(names)) != len(names):
         raise InvalidArgument("regions", "region names must be unique")

@@ -43,7 +43,9 @@ def workdir() -> Iterator[Path]:
 def sidecars(workdir: Path) -> Iterator[Callable[..., SidecarProcess]]:
     started: list[SidecarProcess] = []
 
-    def start(name: str = "sidecar", args: list[str] | None = None, env: dict[str, str] | None = None) -> SidecarProcess:
+    def start(
+        name: str = "sidecar", args: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> SidecarProcess:
         process = SidecarProcess(workdir, name, list(args or []), dict(env or {}))
         started.append(process)
         return process.start()

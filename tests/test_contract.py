@@ -18,8 +18,17 @@ PROTO_DIR = REPO / "proto"
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 ENGINE_RPCS = [
-    "RegisterWorker", "UnregisterWorker", "SubmitBlocks", "ExpectPush", "KeepAlive", "Pull", "HoldBlocks",
-    "QueryCache", "Release", "WatchEvents", "GetStatus",
+    "RegisterWorker",
+    "UnregisterWorker",
+    "SubmitBlocks",
+    "ExpectPush",
+    "KeepAlive",
+    "Pull",
+    "HoldBlocks",
+    "QueryCache",
+    "Release",
+    "WatchEvents",
+    "GetStatus",
 ]
 PEER_RPCS = ["Handshake", "PushReg", "Heartbeat", "QueryCache", "TransferFailed", "Release"]
 
@@ -32,8 +41,17 @@ def test_generated_code_is_fresh() -> None:
     with tempfile.TemporaryDirectory() as out:
         protos = sorted(str(path) for path in (PROTO_DIR / "kvsidecar" / "v1").glob("*.proto"))
         subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", "-I", str(PROTO_DIR), f"--python_out={out}",
-             f"--pyi_out={out}", f"--grpc_python_out={out}", *protos],
+            [
+                sys.executable,
+                "-m",
+                "grpc_tools.protoc",
+                "-I",
+                str(PROTO_DIR),
+                f"--python_out={out}",
+                f"--pyi_out={out}",
+                f"--grpc_python_out={out}",
+                *protos,
+            ],
             check=True,
         )
         for generated in sorted((Path(out) / "kvsidecar" / "v1").iterdir()):
@@ -88,30 +106,62 @@ def test_grpcurl_lists_describes_and_checks_health(sidecars) -> None:
 
 
 ENGINE_EMPTY = {
-    "RegisterWorker": "engine_id", "UnregisterWorker": "engine_id", "SubmitBlocks": "engine_id",
-    "ExpectPush": "engine_id", "Pull": "engine_id", "HoldBlocks": "engine_id", "QueryCache": "engine_id",
-    "Release": "engine_id", "WatchEvents": "engine_id", "KeepAlive": "engine_id",
+    "RegisterWorker": "engine_id",
+    "UnregisterWorker": "engine_id",
+    "SubmitBlocks": "engine_id",
+    "ExpectPush": "engine_id",
+    "Pull": "engine_id",
+    "HoldBlocks": "engine_id",
+    "QueryCache": "engine_id",
+    "Release": "engine_id",
+    "WatchEvents": "engine_id",
+    "KeepAlive": "engine_id",
 }
 PEER_EMPTY = {
-    "Handshake": "engine_id", "PushReg": "prefill_engine_id", "Heartbeat": "engine_id",
-    "QueryCache": "conversation_id", "TransferFailed": "engine_id", "Release": "engine_id",
+    "Handshake": "engine_id",
+    "PushReg": "prefill_engine_id",
+    "Heartbeat": "engine_id",
+    "QueryCache": "conversation_id",
+    "TransferFailed": "engine_id",
+    "Release": "engine_id",
 }
 
 MALFORMED = [
-    ("EngineService/RegisterWorker",
-     '{"engine_id": "e", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1, "tp_rank": 3}', "tp_rank"),
-    ("EngineService/RegisterWorker",
-     '{"engine_id": "e", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1, "geometry": {"block_size": 16, "num_blocks": 8},'
-     ' "exports": [{"kind": "MEMORY_KIND_DRAM", "shm_path": "/etc/passwd", "length": 4096}],'
-     ' "regions": [{"name": "l0", "block_len": 1024}]}', "regions[0]"),
-    ("EngineService/RegisterWorker",
-     '{"engine_id": "has space", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1}', "engine_id"),
-    ("EngineService/SubmitBlocks", '{"engine_id": "e", "request_id": "r", "lease_seconds": -1,'
-     ' "block_ids": {"groups": [{"ids": [1]}]}}', "lease_seconds"),
-    ("EngineService/Pull", '{"engine_id": "e", "request_id": "r", "local_block_ids": {"groups": [{"ids": [1]}]},'
-     ' "remote": {"engine_id": "p", "address": "nohostport"}}', "remote.address"),
-    ("PeerService/PushReg", '{"prefill_engine_id": "p", "decode_engine_id": "d", "request_id": "r",'
-     ' "block_ids": {"groups": [{"ids": [1]}]}}', "caller.address"),
+    (
+        "EngineService/RegisterWorker",
+        '{"engine_id": "e", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1, "tp_rank": 3}',
+        "tp_rank",
+    ),
+    (
+        "EngineService/RegisterWorker",
+        '{"engine_id": "e", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1,'
+        ' "geometry": {"block_size": 16, "num_blocks": 8},'
+        ' "exports": [{"kind": "MEMORY_KIND_DRAM", "shm_path": "/etc/passwd", "length": 4096}],'
+        ' "regions": [{"name": "l0", "block_len": 1024}]}',
+        "regions[0]",
+    ),
+    (
+        "EngineService/RegisterWorker",
+        '{"engine_id": "has space", "role": "ENGINE_ROLE_PRODUCER", "tp_size": 1}',
+        "engine_id",
+    ),
+    (
+        "EngineService/SubmitBlocks",
+        '{"engine_id": "e", "request_id": "r", "lease_seconds": -1, "block_ids": {"groups": [{"ids": [1]}]}}',
+        "lease_seconds",
+    ),
+    (
+        "EngineService/Pull",
+        '{"engine_id": "e", "request_id": "r", "local_block_ids": {"groups": [{"ids": [1]}]},'
+        ' "remote": {"engine_id": "p", "address": "nohostport"}}',
+        "remote.address",
+    ),
+    (
+        "PeerService/PushReg",
+        '{"prefill_engine_id": "p", "decode_engine_id": "d", "request_id": "r",'
+        ' "block_ids": {"groups": [{"ids": [1]}]}}',
+        "caller.address",
+    ),
     ("PeerService/Heartbeat", '{"engine_id": "p", "requests": [{}]}', "requests[0]"),
 ]
 
@@ -134,7 +184,7 @@ def test_empty_and_malformed_requests_are_invalid_argument_and_the_daemon_keeps_
             raw(b"\xff\xff\xff\x07", timeout=5)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # Stray bytes on the peer port (a port scanner, a confused client) do not hurt it.
-    import socket  # noqa: PLC0415
+    import socket
 
     host, port = sidecar.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as stray:

@@ -20,7 +20,10 @@ from tests.support.processes import REPO, SidecarProcess, python_env, wait_until
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "sidecar.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=python_env(env),
     )
 
@@ -33,7 +36,7 @@ def test_bad_settings_fail_at_start_naming_the_setting(workdir: Path) -> None:
     assert result.returncode == 2
     assert "lease_seconds" in result.stderr and "KVSIDECAR_LEASE_SECONDS" in result.stderr
     config = workdir / "bad.toml"
-    config.write_text('lease_secondz = 4\n')
+    config.write_text("lease_secondz = 4\n")
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 2
     assert "lease_secondz" in result.stderr and str(config) in result.stderr
@@ -41,19 +44,23 @@ def test_bad_settings_fail_at_start_naming_the_setting(workdir: Path) -> None:
 
 def test_flags_beat_environment_beat_toml(workdir: Path, sidecars) -> None:
     config = workdir / "settings.toml"
-    config.write_text('lease_seconds = 11\ntransfer_timeout_seconds = 12\n[nixl]\npoll_interval_max_ms = 3\n')
+    config.write_text("lease_seconds = 11\ntransfer_timeout_seconds = 12\n[nixl]\npoll_interval_max_ms = 3\n")
     sidecar = sidecars(
         args=["--config", str(config), "--lease-seconds", "13"],
         env={"KVSIDECAR_TRANSFER_TIMEOUT_SECONDS": "14", "KVSIDECAR_LEASE_SECONDS": "15"},
     )
-    from sidecar.config import load_settings  # noqa: PLC0415
+    from sidecar.config import load_settings
 
     os.environ["KVSIDECAR_TRANSFER_TIMEOUT_SECONDS"] = "14"
     try:
         settings = load_settings({"lease_seconds": 13}, config)
     finally:
         del os.environ["KVSIDECAR_TRANSFER_TIMEOUT_SECONDS"]
-    assert (settings.lease_seconds, settings.transfer_timeout_seconds, settings.nixl.poll_interval_max_ms) == (13, 14, 3)
+    assert (settings.lease_seconds, settings.transfer_timeout_seconds, settings.nixl.poll_interval_max_ms) == (
+        13,
+        14,
+        3,
+    )
     assert sidecar.process is not None and sidecar.process.poll() is None
 
 
@@ -119,8 +126,10 @@ def test_metrics_endpoint_has_build_info_and_rpc_counts(workdir: Path) -> None:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         sidecar.kill()
-    assert 'kvsidecar_build_info{' in body and 'nixl="nixl-cu12' in body and "grpc=" in body
-    counted = re.search(r'kvsidecar_rpc_requests_total\{code="OK",method="GetStatus",service="EngineService"\} (\d+)', body)
+    assert "kvsidecar_build_info{" in body and 'nixl="nixl-cu12' in body and "grpc=" in body
+    counted = re.search(
+        r'kvsidecar_rpc_requests_total\{code="OK",method="GetStatus",service="EngineService"\} (\d+)', body
+    )
     assert counted is not None and int(counted.group(1)) >= 1, body
     assert "kvsidecar_rpc_duration_seconds_bucket" in body
     assert "request_id" not in body
@@ -140,8 +149,16 @@ def test_status_prints_a_table_and_json(sidecars) -> None:
 
 def test_a_second_daemon_refuses_a_live_socket_and_replaces_a_stale_one(workdir: Path, sidecars) -> None:
     first = sidecars(name="first")
-    clash = run_cli("serve", "--engine-socket", str(first.socket), "--peer-listen", "127.0.0.1:0",
-                    "--metrics-listen", "off", timeout=60)
+    clash = run_cli(
+        "serve",
+        "--engine-socket",
+        str(first.socket),
+        "--peer-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        timeout=60,
+    )
     assert clash.returncode == 1
     assert "already serves the engine socket" in clash.stderr
     first.kill()  # SIGKILL leaves the socket file behind
@@ -161,7 +178,7 @@ def test_systemd_unit_verifies() -> None:
 
 
 def test_kubernetes_pod_shares_socket_dir_and_dev_shm_and_probes_health() -> None:
-    import yaml  # noqa: PLC0415
+    import yaml
 
     pod = yaml.safe_load((REPO / "deploy" / "kubernetes" / "pod.yaml").read_text())
     volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}

@@ -82,11 +82,15 @@ def test_random_interleavings_pair_every_request_with_its_own_partner() -> None:
         pairs = {}
         for side, index in events:
             if side == "reg":
-                found = matcher.add_registration(reg(f"cmpl-{index}-0-aaaaaaaa", transfer_id=f"t{index}" if index % 2 else ""))
+                found = matcher.add_registration(
+                    reg(f"cmpl-{index}-0-aaaaaaaa", transfer_id=f"t{index}" if index % 2 else "")
+                )
                 if found is not None:
                     pairs[index] = found.request_id
             else:
-                found_reg = matcher.add_submission(sub(f"cmpl-{index}-0-bbbbbbbb", transfer_id=f"t{index}" if index % 2 else ""))
+                found_reg = matcher.add_submission(
+                    sub(f"cmpl-{index}-0-bbbbbbbb", transfer_id=f"t{index}" if index % 2 else "")
+                )
                 if found_reg is not None:
                     pairs[index] = found_reg.request_id
         assert len(pairs) == 40

@@ -19,14 +19,21 @@ from sidecar.planning import (
 )
 
 
-def layout(tp_rank: int = 0, block_len: int = 1024, heads: int = 2, total: int = 2, num_blocks: int = 8,
-           regions: int = 2, kv_layout: str = "LBHNC", ratio: int = 1, block_size: int = 16) -> WorkerLayout:
+def layout(
+    tp_rank: int = 0,
+    block_len: int = 1024,
+    heads: int = 2,
+    total: int = 2,
+    num_blocks: int = 8,
+    regions: int = 2,
+    kv_layout: str = "LBHNC",
+    ratio: int = 1,
+    block_size: int = 16,
+) -> WorkerLayout:
     return WorkerLayout(
         tp_rank=tp_rank,
         pp_rank=0,
-        regions=tuple(
-            RegionLayout(f"layer{r}", 1_000_000 * (r + 1), block_len, block_len, 0) for r in range(regions)
-        ),
+        regions=tuple(RegionLayout(f"layer{r}", 1_000_000 * (r + 1), block_len, block_len, 0) for r in range(regions)),
         num_blocks=num_blocks,
         physical_per_logical=ratio,
         block_size=block_size,
@@ -91,7 +98,9 @@ def test_compatible_engines_pass_and_mismatches_say_why() -> None:
     with pytest.raises(PlanError, match="KV layouts differ"):
         check_compatible([layout()], 1, [layout(kv_layout="NHD")], 1)
     with pytest.raises(PlanError, match="head-major"):
-        check_compatible([layout(kv_layout="NHD")], 1, [layout(0, 512, 1, kv_layout="NHD"), layout(1, 512, 1, kv_layout="NHD")], 2)
+        check_compatible(
+            [layout(kv_layout="NHD")], 1, [layout(0, 512, 1, kv_layout="NHD"), layout(1, 512, 1, kv_layout="NHD")], 2
+        )
     with pytest.raises(PlanError, match="do not map"):
         check_compatible([layout(block_len=1024)], 1, [layout(0, 256, 1), layout(1, 256, 1)], 2)
     with pytest.raises(PlanError, match="different KV regions"):

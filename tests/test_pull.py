@@ -21,13 +21,25 @@ def kv(path: Path, layers: int = LAYERS, blocks: int = BLOCKS, block_len: int = 
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(layers, blocks, block_len))
 
 
-def pull_and_wait(producer: EngineProcess, consumer: EngineProcess, request: str, p_blocks: list[int],
-                  d_blocks: list[int], timeout: float = 30.0) -> list[dict]:
+def pull_and_wait(
+    producer: EngineProcess,
+    consumer: EngineProcess,
+    request: str,
+    p_blocks: list[int],
+    d_blocks: list[int],
+    timeout: float = 30.0,
+) -> list[dict]:
     assert producer.command("submit", request_id=request, blocks=[p_blocks])["ok"]
     reply = consumer.command(
-        "pull", request_id=f"{request}-d", blocks=[d_blocks],
-        remote={"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request,
-                "blocks": [p_blocks]},
+        "pull",
+        request_id=f"{request}-d",
+        blocks=[d_blocks],
+        remote={
+            "address": producer.peer_address,
+            "engine_id": producer.engine_id,
+            "request_id": request,
+            "blocks": [p_blocks],
+        },
     )
     assert reply["ok"], reply
     return consumer.wait_event(f"{request}-d", timeout)
@@ -73,7 +85,7 @@ def test_pull_many_requests_byte_for_byte(pair) -> None:
         assert {e["event"] for e in producer.wait_event(name)} == {"FINISHED_SENDING"}
     source, target = kv(producer.buffers[0]), kv(consumer.buffers[0])
     for name, p_blocks, d_blocks in cases:
-        tail = p_blocks[len(p_blocks) - len(d_blocks):]
+        tail = p_blocks[len(p_blocks) - len(d_blocks) :]
         for src, dst in zip(tail, d_blocks, strict=True):
             assert np.array_equal(source[:, src], target[:, dst]), f"{name}: D block {dst} != P block {src}"
     untouched = sorted(set(range(BLOCKS)) - written)
@@ -84,7 +96,9 @@ def test_full_prefix_hit_reads_nothing_and_still_frees_p(pair) -> None:
     producer, consumer, _ = pair
     assert producer.command("submit", request_id="full-hit", blocks=[[1, 2, 3]], lease_seconds=60)["ok"]
     reply = consumer.command(
-        "pull", request_id="full-hit-d", blocks=[[]],
+        "pull",
+        request_id="full-hit-d",
+        blocks=[[]],
         remote={"address": producer.peer_address, "engine_id": "P", "request_id": "full-hit", "blocks": [[1, 2, 3]]},
     )
     assert reply["ok"], reply
@@ -130,7 +144,7 @@ def test_heartbeats_keep_p_lease_alive_past_its_length(sidecars, engines) -> Non
     consumer = engines(d_side, "D", "consumer")
     assert producer.command("fill", blocks=[1, 2], seed=5)["ok"]
     assert producer.command("submit", request_id="waiting", blocks=[[1, 2]])["ok"]
-    from engine_shim.client import SidecarClient, remote  # noqa: PLC0415
+    from engine_shim.client import SidecarClient, remote
 
     with SidecarClient(d_side.socket) as client:
         kept = client.keep_alive("D", "waiting-d", remote(producer.peer_address, "P", "waiting"))
@@ -139,7 +153,9 @@ def test_heartbeats_keep_p_lease_alive_past_its_length(sidecars, engines) -> Non
     assert producer.events_for("waiting") == [], "the lease expired although D kept heartbeating"
     events = pull_and_wait(producer, consumer, "waiting", [1, 2], [7, 8])
     assert events[0]["event"] == "FINISHED_RECEIVING"
-    assert np.array_equal(kv(producer.buffers[0], 2, 64, 4096)[:, [1, 2]], kv(consumer.buffers[0], 2, 64, 4096)[:, [7, 8]])
+    assert np.array_equal(
+        kv(producer.buffers[0], 2, 64, 4096)[:, [1, 2]], kv(consumer.buffers[0], 2, 64, 4096)[:, [7, 8]]
+    )
 
 
 def test_keep_alive_learns_when_p_lost_the_request_and_the_pull_fails_without_reading(sidecars, engines) -> None:
@@ -149,7 +165,7 @@ def test_keep_alive_learns_when_p_lost_the_request_and_the_pull_fails_without_re
     consumer = engines(d_side, "D", "consumer")
     assert producer.command("submit", request_id="gone", blocks=[[3]])["ok"]
     assert producer.command("release", request_id="gone")["ok"]  # P frees it (e.g. an abort)
-    from engine_shim.client import SidecarClient, remote  # noqa: PLC0415
+    from engine_shim.client import SidecarClient, remote
 
     with SidecarClient(d_side.socket) as client:
         client.keep_alive("D", "gone-d", remote(producer.peer_address, "P", "gone"))
@@ -159,7 +175,9 @@ def test_keep_alive_learns_when_p_lost_the_request_and_the_pull_fails_without_re
 
         wait_until(lost, 5, 0.1, "D learns that P dropped the request")
     reply = consumer.command(
-        "pull", request_id="gone-d", blocks=[[9]],
+        "pull",
+        request_id="gone-d",
+        blocks=[[9]],
         remote={"address": producer.peer_address, "engine_id": "P", "request_id": "gone", "blocks": [[3]]},
     )
     assert reply["ok"]
@@ -181,9 +199,15 @@ def test_p_sidecar_killed_then_restarted(sidecars, engines) -> None:
     p_side.kill()
     started = time.monotonic()
     reply = consumer.command(
-        "pull", request_id="doomed-d", blocks=[list(range(50, 80))],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "doomed",
-                "blocks": [list(range(10, 40))]},
+        "pull",
+        request_id="doomed-d",
+        blocks=[list(range(50, 80))],
+        remote={
+            "address": producer.peer_address,
+            "engine_id": "P",
+            "request_id": "doomed",
+            "blocks": [list(range(10, 40))],
+        },
     )
     assert reply["ok"]
     event = consumer.wait_event("doomed-d", 15)[0]
@@ -215,7 +239,9 @@ def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars,
     blocks = list(range(1, 64))
     assert producer.command("submit", request_id="big", blocks=[blocks])["ok"]
     reply = consumer.command(
-        "pull", request_id="big-d", blocks=[blocks],
+        "pull",
+        request_id="big-d",
+        blocks=[blocks],
         remote={"address": producer.peer_address, "engine_id": "P", "request_id": "big", "blocks": [blocks]},
     )
     assert reply["ok"]
@@ -231,7 +257,7 @@ def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars,
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = int(fields[11]) + int(fields[12])  # utime + stime
-    import os  # noqa: PLC0415
+    import os
 
     return ticks / os.sysconf("SC_CLK_TCK")
 

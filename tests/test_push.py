@@ -17,8 +17,9 @@ LAYERS, BLOCKS, BLOCK_LEN = 2, 128, 4096
 PUSH = 2  # common_pb2.TRANSFER_MODE_PUSH
 
 
-def engine_pair(sidecars, engines, same: bool = False, p_args: list[str] | None = None,
-                d_args: list[str] | None = None, **shape) -> tuple[EngineProcess, EngineProcess, SidecarProcess, SidecarProcess]:
+def engine_pair(
+    sidecars, engines, same: bool = False, p_args: list[str] | None = None, d_args: list[str] | None = None, **shape
+) -> tuple[EngineProcess, EngineProcess, SidecarProcess, SidecarProcess]:
     shape = {"layers": LAYERS, "blocks": BLOCKS, "block_len": BLOCK_LEN, **shape}
     p_side = sidecars("p", args=p_args)
     d_side = p_side if same else sidecars("d", args=d_args)
@@ -65,7 +66,10 @@ def test_both_orders_in_random_interleavings_byte_for_byte(sidecars, engines, sa
     for _, _, _, _, p_id, d_id in requests:
         assert consumer.wait_event(d_id, 20)[0]["event"] == "FINISHED_RECEIVING", consumer.events_for(d_id)
         assert producer.wait_event(p_id, 20)[0]["event"] == "FINISHED_SENDING", producer.events_for(p_id)
-    source, target = kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN), kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN)
+    source, target = (
+        kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+        kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+    )
     written = set()
     for base, _, p_blocks, d_blocks, _, _ in requests:
         for src, dst in zip(p_blocks, d_blocks, strict=True):
@@ -79,10 +83,14 @@ def test_partial_prefix_hit_on_d_writes_only_the_tail(sidecars, engines) -> None
     producer, consumer, _, _ = engine_pair(sidecars, engines)
     assert producer.command("fill", blocks=list(range(BLOCKS)), seed=4)["ok"]
     expect(consumer, producer, "partial-d", [100, 101], transfer_id="t-partial")
-    assert producer.command("submit", request_id="partial-p", blocks=[[10, 11, 12, 13, 14]],
-                            transfer_id="t-partial", mode=PUSH)["ok"]
+    assert producer.command(
+        "submit", request_id="partial-p", blocks=[[10, 11, 12, 13, 14]], transfer_id="t-partial", mode=PUSH
+    )["ok"]
     assert consumer.wait_event("partial-d", 10)[0]["event"] == "FINISHED_RECEIVING"
-    source, target = kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN), kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN)
+    source, target = (
+        kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+        kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+    )
     assert np.array_equal(source[:, [13, 14]], target[:, [100, 101]])
     others = [b for b in range(BLOCKS) if b not in (100, 101)]
     assert not target[:, others].any()
@@ -121,9 +129,9 @@ def test_d_sidecar_gone_between_registration_and_write_p_frees(sidecars, engines
 def test_write_into_an_unregistered_region_fails_a_live_d_promptly(sidecars, engines) -> None:
     """D has two workers; one unregisters (its region is gone) while a push is pending. The live
     worker gets load-failed at once, and P frees its blocks."""
-    producer, consumer, p_side, d_side = engine_pair(sidecars, engines, tp=2, heads=1)
+    producer, consumer, _p_side, d_side = engine_pair(sidecars, engines, tp=2, heads=1)
     expect(consumer, producer, "half-d", [1, 2], transfer_id="t-half")
-    from engine_shim.client import SidecarClient  # noqa: PLC0415
+    from engine_shim.client import SidecarClient
 
     started = time.monotonic()
     with SidecarClient(d_side.socket) as client:
@@ -150,7 +158,10 @@ def test_p_notices_a_restarted_d_engine_and_handshakes_again(sidecars, engines) 
     expect(consumer2, producer, "second-d", [4], transfer_id="t-second")
     assert producer.command("submit", request_id="second-p", blocks=[[2]], transfer_id="t-second", mode=PUSH)["ok"]
     assert consumer2.wait_event("second-d", 10)[0]["event"] == "FINISHED_RECEIVING"
-    source, target = kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN), kv(consumer2.buffers[0], LAYERS, BLOCKS, BLOCK_LEN)
+    source, target = (
+        kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+        kv(consumer2.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+    )
     assert np.array_equal(source[:, 2], target[:, 4])
 
 
@@ -159,8 +170,11 @@ def test_expect_push_to_a_p_sidecar_that_is_down_fails_within_a_bound(sidecars, 
     p_side.kill()
     started = time.monotonic()
     reply = consumer.command(
-        "expect_push", request_id="nowhere-d", blocks=[[1]],
-        remote={"address": producer.peer_address, "engine_id": "P"}, transfer_id="t-nowhere",
+        "expect_push",
+        request_id="nowhere-d",
+        blocks=[[1]],
+        remote={"address": producer.peer_address, "engine_id": "P"},
+        transfer_id="t-nowhere",
     )
     assert reply["ok"] and reply["registered"] is False
     event = consumer.wait_event("nowhere-d", 15)[0]
@@ -175,13 +189,14 @@ def test_registration_watchdog_fails_d_and_withdraws_the_registration(sidecars, 
     event = consumer.wait_event("late-d", 10)[0]
     assert event["event"] == "LOAD_FAILED" and "watchdog" in event["reason"]
     assert 0.9 < time.monotonic() - started < 6.0
-    from engine_shim.client import SidecarClient  # noqa: PLC0415
+    from engine_shim.client import SidecarClient
 
     with SidecarClient(p_side.socket) as client:
         assert client.status().pending_push_registrations == 0
     # The late producer submission is not written into blocks D already gave back.
-    assert producer.command("submit", request_id="late-p", blocks=[[2]], transfer_id="t-late", mode=PUSH,
-                            lease_seconds=1.0)["ok"]
+    assert producer.command(
+        "submit", request_id="late-p", blocks=[[2]], transfer_id="t-late", mode=PUSH, lease_seconds=1.0
+    )["ok"]
     assert producer.wait_event("late-p", 10)[0]["event"] == "LEASE_EXPIRED"
     assert not kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN).any()
 
@@ -190,7 +205,7 @@ def test_status_shows_pending_registrations_and_unmatched_submissions(sidecars, 
     producer, consumer, p_side, _ = engine_pair(sidecars, engines)
     expect(consumer, producer, "waiting-d", [1], transfer_id="t-waiting")
     assert producer.command("submit", request_id="lonely-p", blocks=[[3]], transfer_id="t-lonely", mode=PUSH)["ok"]
-    from engine_shim.client import SidecarClient  # noqa: PLC0415
+    from engine_shim.client import SidecarClient
 
     with SidecarClient(p_side.socket) as client:
         status = client.status(include_requests=True)
@@ -206,21 +221,42 @@ def test_heterogeneous_tp_moves_each_ranks_heads(sidecars, engines, mode: str, p
     """Head-major KV split across TP ranks: the side with more ranks holds a slice of the other's block."""
     total_heads, head_bytes, blocks = 2, 2048, 32
     p_side, d_side = sidecars("p"), sidecars("d")
-    producer = engines(p_side, "P", "producer", tp=p_tp, heads=total_heads // p_tp, layers=2, blocks=blocks,
-                       block_len=head_bytes * total_heads // p_tp)
-    consumer = engines(d_side, "D", "consumer", tp=d_tp, heads=total_heads // d_tp, layers=2, blocks=blocks,
-                       block_len=head_bytes * total_heads // d_tp)
+    producer = engines(
+        p_side,
+        "P",
+        "producer",
+        tp=p_tp,
+        heads=total_heads // p_tp,
+        layers=2,
+        blocks=blocks,
+        block_len=head_bytes * total_heads // p_tp,
+    )
+    consumer = engines(
+        d_side,
+        "D",
+        "consumer",
+        tp=d_tp,
+        heads=total_heads // d_tp,
+        layers=2,
+        blocks=blocks,
+        block_len=head_bytes * total_heads // d_tp,
+    )
     assert producer.command("fill", blocks=list(range(blocks)), seed=13)["ok"]
     p_blocks, d_blocks = [3, 4, 9], [20, 21, 25]
     if mode == "pull":
         assert producer.command("submit", request_id="h-p", blocks=[p_blocks])["ok"]
-        assert consumer.command("pull", request_id="h-d", blocks=[d_blocks], remote={
-            "address": producer.peer_address, "engine_id": "P", "request_id": "h-p", "blocks": [p_blocks]})["ok"]
+        assert consumer.command(
+            "pull",
+            request_id="h-d",
+            blocks=[d_blocks],
+            remote={"address": producer.peer_address, "engine_id": "P", "request_id": "h-p", "blocks": [p_blocks]},
+        )["ok"]
     else:
         expect(consumer, producer, "h-d", d_blocks, transfer_id="t-h")
         assert producer.command("submit", request_id="h-p", blocks=[p_blocks], transfer_id="t-h", mode=PUSH)["ok"]
     assert {e["event"] for e in consumer.wait_event("h-d", 15)} == {"FINISHED_RECEIVING"}
     assert {e["event"] for e in producer.wait_event("h-p", 15)} == {"FINISHED_SENDING"}
+
     # Reassemble every block head by head on both sides and compare.
     def heads(engine: EngineProcess, tp: int, block_ids: list[int]) -> np.ndarray:
         per_rank = [kv(path, 2, blocks, head_bytes * total_heads // tp)[:, block_ids] for path in engine.buffers]

@@ -64,11 +64,18 @@ class SidecarProcess:
     def start(self, timeout: float = 30.0) -> SidecarProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "sidecar.cli", "serve",
-            "--engine-socket", str(self.socket),
-            "--peer-listen", f"127.0.0.1:{self.peer_port}",
-            "--metrics-listen", "off",
-            "--log-format", "json",
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "serve",
+            "--engine-socket",
+            str(self.socket),
+            "--peer-listen",
+            f"127.0.0.1:{self.peer_port}",
+            "--metrics-listen",
+            "off",
+            "--log-format",
+            "json",
             *self.args,
         ]
         log = self.log_path.open("ab")
@@ -80,7 +87,7 @@ class SidecarProcess:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        from engine_shim.client import SidecarClient  # noqa: PLC0415
+        from engine_shim.client import SidecarClient
 
         def ready() -> bool:
             assert self.process is not None
@@ -91,7 +98,7 @@ class SidecarProcess:
             try:
                 with SidecarClient(self.socket, timeout=1.0) as client:
                     status = client.status()
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception:
                 return False
             self.address = status.sidecar.address
             self.sidecar_id = status.sidecar.sidecar_id
@@ -140,18 +147,52 @@ class EngineProcess:
     """A simulated engine (``python -m engine_shim.simulated``) in a child process, driven over
     JSON lines. Events and replies are collected by a reader thread."""
 
-    def __init__(self, workdir: Path, socket: Path, engine_id: str, role: str, *, tp: int = 1, layers: int = 2,
-                 blocks: int = 64, block_len: int = 4096, heads: int = 1, model: str = "simulated") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        socket: Path,
+        engine_id: str,
+        role: str,
+        *,
+        tp: int = 1,
+        layers: int = 2,
+        blocks: int = 64,
+        block_len: int = 4096,
+        heads: int = 1,
+        model: str = "simulated",
+    ) -> None:
         self.engine_id = engine_id
         self.log_path = workdir / f"engine-{engine_id}.log"
         command = [
-            sys.executable, "-m", "engine_shim.simulated", "--socket", str(socket), "--engine-id", engine_id,
-            "--role", role, "--tp", str(tp), "--layers", str(layers), "--blocks", str(blocks),
-            "--block-len", str(block_len), "--heads", str(heads), "--model", model,
+            sys.executable,
+            "-m",
+            "engine_shim.simulated",
+            "--socket",
+            str(socket),
+            "--engine-id",
+            engine_id,
+            "--role",
+            role,
+            "--tp",
+            str(tp),
+            "--layers",
+            str(layers),
+            "--blocks",
+            str(blocks),
+            "--block-len",
+            str(block_len),
+            "--heads",
+            str(heads),
+            "--model",
+            model,
         ]
         stderr = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=python_env(),
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=python_env(),
             start_new_session=True,
         )
         stderr.close()

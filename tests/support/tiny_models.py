@@ -24,14 +24,20 @@ def build_tiny_llama(
     """Write a random Llama and its tokenizer to ``directory`` (once; reused if present)."""
     marker = directory / "kvsidecar-model.json"
     spec = {
-        "hidden_size": hidden_size, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "num_layers": num_layers,
-        "vocab_size": vocab_size, "intermediate_size": intermediate_size, "max_position": max_position, "seed": seed,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "num_layers": num_layers,
+        "vocab_size": vocab_size,
+        "intermediate_size": intermediate_size,
+        "max_position": max_position,
+        "seed": seed,
     }
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return directory
-    import torch  # noqa: PLC0415 - heavy, only when building
-    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: PLC0415
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -70,7 +76,7 @@ def build_tiny_llama(
 
 def prompt_words(length: int, seed: int) -> str:
     """A prompt of ``length`` tokens."""
-    import random  # noqa: PLC0415
+    import random
 
     rng = random.Random(seed)
     return " ".join(f"w{rng.randrange(3, 1000)}" for _ in range(length))
