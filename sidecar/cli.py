@@ -104,6 +104,41 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_demo(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="move real KV between two sidecars and verify every byte",
+        description="Start a producer and a consumer sidecar on loopback, a simulated engine on each, move a mix "
+        "of requests in push and pull mode, verify every byte and print throughput and latency.",
+    )
+    parser.add_argument("--requests", type=int, default=200, help="requests per mode (default 200)")
+    parser.add_argument("--modes", default="push,pull", help="comma-separated: push, pull")
+    parser.add_argument("--min-blocks", type=int, default=8)
+    parser.add_argument("--max-blocks", type=int, default=256)
+    parser.add_argument("--block-kib", type=int, default=64, help="KiB per block, all layers together")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--same-node", action="store_true", help="one sidecar serving both engines")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sidecar.demo import run_demo
+
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    if not modes or any(mode not in ("push", "pull") for mode in modes):
+        print("kvsidecar: --modes takes push and/or pull", file=sys.stderr)
+        return 2
+    if not 1 <= args.min_blocks <= args.max_blocks:
+        print("kvsidecar: need 1 <= --min-blocks <= --max-blocks", file=sys.stderr)
+        return 2
+    try:
+        return run_demo(args.requests, modes, args.min_blocks, args.max_blocks, args.block_kib, args.concurrency,
+                        args.seed, args.same_node)
+    except KeyboardInterrupt:
+        print("\ninterrupted; sidecars stopped and shared memory removed", file=sys.stderr)
+        return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving"
@@ -112,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_status(subparsers)
+    _add_demo(subparsers)
     return parser
 
 

@@ -14,19 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from sidecar.launcher import REPO_ROOT, DaemonProcess, child_env
 
+REPO = REPO_ROOT
+python_env = child_env
 
-def python_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(extra or {})
-    return env
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str = "condition") -> Any:
@@ -40,78 +35,8 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str
         time.sleep(interval)
 
 
-@dataclass
-class SidecarProcess:
-    """``kvsidecar serve`` in a child process, on a socket in ``workdir`` and an ephemeral port."""
-
-    workdir: Path
-    name: str = "sidecar"
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    peer_port: int = 0
-    process: subprocess.Popen[bytes] | None = None
-    address: str = ""
-    sidecar_id: str = ""
-
-    @property
-    def socket(self) -> Path:
-        return self.workdir / f"{self.name}.sock"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.name}.log"
-
-    def start(self, timeout: float = 30.0) -> SidecarProcess:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable,
-            "-m",
-            "sidecar.cli",
-            "serve",
-            "--engine-socket",
-            str(self.socket),
-            "--peer-listen",
-            f"127.0.0.1:{self.peer_port}",
-            "--metrics-listen",
-            "off",
-            "--log-format",
-            "json",
-            *self.args,
-        ]
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=python_env(self.env), start_new_session=True
-        )
-        log.close()
-        self._wait_ready(timeout)
-        return self
-
-    def _wait_ready(self, timeout: float) -> None:
-        from engine_shim.client import SidecarClient
-
-        def ready() -> bool:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sidecar {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if not self.socket.exists():
-                return False
-            try:
-                with SidecarClient(self.socket, timeout=1.0) as client:
-                    status = client.status()
-            except Exception:
-                return False
-            self.address = status.sidecar.address
-            self.sidecar_id = status.sidecar.sidecar_id
-            self.peer_port = int(self.address.rsplit(":", 1)[1])
-            return True
-
-        wait_until(ready, timeout, 0.05, f"sidecar {self.name} ready")
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+class SidecarProcess(DaemonProcess):
+    """A sidecar daemon for a test, with access to its JSON log."""
 
     def log_events(self) -> list[dict[str, Any]]:
         events = []
@@ -121,26 +46,6 @@ class SidecarProcess:
             except ValueError:
                 continue
         return events
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        assert self.process is not None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(10)
-
-    def restart(self, timeout: float = 30.0) -> SidecarProcess:
-        """Kill and start again on the same socket and port (a restarted sidecar)."""
-        self.kill()
-        return self.start(timeout)
 
 
 class EngineProcess:

@@ -1,0 +1,116 @@
+"""Registration of exported memory: what is accepted, what is refused and why, and what happens to
+the mapping when a worker goes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_shim.client import SidecarClient
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.memory import ExportSpec, MemoryImporter
+
+LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=4096)
+
+
+def mapping_of(address: int) -> str:
+    """The /proc/self/maps line covering ``address``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(part, 16) for part in line.split()[0].split("-"))
+        if start <= address < end:
+            return line
+    return ""
+
+
+def test_release_leaves_an_inaccessible_tombstone_in_place() -> None:
+    importer = MemoryImporter([Path("/dev/shm")])
+    with SharedBuffer(LAYOUT.total_bytes) as buffer:
+        buffer.array[:5] = [1, 2, 3, 4, 5]
+        mapped = importer.map(ExportSpec("DRAM", str(buffer.path), b"", 0, LAYOUT.total_bytes, 0), "exports[0]")
+        assert bytes(mapped.view()[:5]) == b"\x01\x02\x03\x04\x05"
+        assert str(buffer.path) in mapping_of(mapped.address)
+        importer.release(mapped)
+        line = mapping_of(mapped.address)
+        # Still reserved (no other mapping can land there), but no longer the shared file, and
+        # neither readable nor writable: a late remote write faults instead of corrupting.
+        assert line and "---p" in line.split()[1] and str(buffer.path) not in line
+        assert importer.tombstoned_bytes >= LAYOUT.total_bytes
+
+
+def test_mapping_outside_the_allowed_directories_or_past_the_file_is_refused(tmp_path: Path) -> None:
+    importer = MemoryImporter([Path("/dev/shm")])
+    outside = tmp_path / "kv.bin"
+    outside.write_bytes(b"\0" * 8192)
+    with pytest.raises(InvalidArgument, match="outside the allowed shm dirs"):
+        importer.map(ExportSpec("DRAM", str(outside), b"", 0, 8192, 0), "exports[0]")
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        importer.map(ExportSpec("DRAM", "/dev/shm/kvsidecar-no-such-file", b"", 0, 10, 0), "exports[0]")
+    with SharedBuffer(8192) as buffer:
+        with pytest.raises(InvalidArgument, match="exceeds the size"):
+            importer.map(ExportSpec("DRAM", str(buffer.path), b"", 4096, 8192, 0), "exports[0]")
+
+
+def test_vram_without_a_gpu_is_failed_precondition_with_a_clear_message() -> None:
+    importer = MemoryImporter([Path("/dev/shm")])
+    with pytest.raises(FailedPrecondition, match="GPU"):
+        importer.map(ExportSpec("VRAM", "", b"\0" * 64, 0, 1 << 20, 0), "exports[0]")
+
+
+def test_registration_errors_over_grpc(sidecars) -> None:
+    sidecar = sidecars()
+    with SidecarClient(sidecar.socket) as client, SharedBuffer(LAYOUT.total_bytes) as buffer:
+        good = kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+
+        too_many_blocks = engine_pb2.RegisterWorkerRequest()
+        too_many_blocks.CopyFrom(good)
+        too_many_blocks.geometry.num_blocks = LAYOUT.num_blocks * 4
+        with pytest.raises(grpc.RpcError) as error:
+            client.register_worker(too_many_blocks)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "regions[" in error.value.details() and "past the export" in error.value.details()
+
+        vram = engine_pb2.RegisterWorkerRequest()
+        vram.CopyFrom(good)
+        del vram.exports[:]
+        vram.exports.append(
+            engine_pb2.MemoryExport(kind=common_pb2.MEMORY_KIND_VRAM, cuda_ipc_handle=b"\0" * 64, length=LAYOUT.total_bytes)
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            client.register_worker(vram)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "GPU" in error.value.details()
+
+        # The good one registers; the same content again is idempotent; nothing leaked meanwhile.
+        first = client.register_worker(good)
+        again = client.register_worker(good)
+        assert first.agent_name == again.agent_name and first.registered_bytes == LAYOUT.total_bytes
+        status = client.status()
+        assert [engine.engine_id for engine in status.engines] == ["E"]
+        client.unregister_worker("E")
+        assert not client.status().engines
+
+
+def test_a_worker_that_never_watches_is_dropped(sidecars) -> None:
+    sidecar = sidecars(args=["--set", "worker_attach_timeout_seconds=0.5"])
+    with SidecarClient(sidecar.socket) as client, SharedBuffer(LAYOUT.total_bytes) as buffer:
+        client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()]))
+        from tests.support.processes import wait_until
+
+        wait_until(lambda: not client.status().engines, 5, 0.1, "the unattached worker is dropped")
+
+
+def test_a_worker_whose_stream_closes_is_dropped(sidecars) -> None:
+    sidecar = sidecars()
+    with SidecarClient(sidecar.socket) as client, SharedBuffer(LAYOUT.total_bytes) as buffer:
+        client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()]))
+        watcher = client.watch("E")
+        watcher.wait_connected(5)
+        assert client.status().engines[0].workers[0].watching
+        watcher.cancel()
+        from tests.support.processes import wait_until
+
+        wait_until(lambda: not client.status().engines, 5, 0.1, "the worker is dropped when its stream ends")
