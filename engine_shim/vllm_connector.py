@@ -172,9 +172,7 @@ class ShimConfig:
                 values[name] = convert(extra[name])
         config = cls(**values)
         if config.transfer_mode not in _MODES:
-            raise ValueError(
-                f"kv_connector_extra_config.transfer_mode: 'pull' or 'push', not {config.transfer_mode!r}"
-            )
+            raise ValueError(f"kv_connector_extra_config.transfer_mode: 'pull' or 'push', not {config.transfer_mode!r}")
         if config.memory_export not in ("auto", "mem_pool", "torch_shm"):
             raise ValueError(
                 "kv_connector_extra_config.memory_export: 'auto', 'mem_pool' or 'torch_shm', "
@@ -282,13 +280,9 @@ class _SchedulerSide:
         self.external_tokens: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.client.subscribe_connectivity(self._on_connectivity)
         try:
-            self._address = (
-                self.client.status_async().result(timeout=min(5.0, config.rpc_timeout)).sidecar.address
-            )
+            self._address = self.client.status_async().result(timeout=min(5.0, config.rpc_timeout)).sidecar.address
         except Exception as exc:
-            logger.warning(
-                "SidecarConnector: sidecar at %s not reachable yet (%s)", config.sidecar_socket, exc
-            )
+            logger.warning("SidecarConnector: sidecar at %s not reachable yet (%s)", config.sidecar_socket, exc)
 
     def shutdown(self) -> None:
         try:
@@ -318,9 +312,7 @@ class _SchedulerSide:
 
         future.add_done_callback(done)
 
-    def _on_receive_call_done(
-        self, request_id: str, transfer_id: str, what: str, future: grpc.Future
-    ) -> None:
+    def _on_receive_call_done(self, request_id: str, transfer_id: str, what: str, future: grpc.Future) -> None:
         exc = future.exception()
         if exc is None:
             return  # accepted (or refused with a LOAD_FAILED event, which the workers get)
@@ -374,9 +366,7 @@ class _SchedulerSide:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -487,9 +477,7 @@ class _SchedulerSide:
             self._refresh_address()
             # No sidecar to hold them: free now; without params the router sends the decode leg
             # as a plain request and the consumer computes the prompt itself.
-            logger.warning(
-                "SidecarConnector: sidecar unavailable; %s is not offered to a consumer", request_id
-            )
+            logger.warning("SidecarConnector: sidecar unavailable; %s is not offered to a consumer", request_id)
             return False, None
         mode = self._mode(params)
         transfer_id = str(params.get("transfer_id") or "")
@@ -528,9 +516,7 @@ class _SchedulerSide:
 
     def _release_after(self, receive: _Receive, reason: str) -> None:
         def release(_: grpc.Future) -> None:
-            future = self.client.release_async(
-                self.engine_id, receive.request_id, receive.transfer_id, reason=reason
-            )
+            future = self.client.release_async(self.engine_id, receive.request_id, receive.transfer_id, reason=reason)
             # If the sidecar did not know it (or is gone), its request call failed and was reported.
             future.add_done_callback(lambda f: f.exception())
 
@@ -719,9 +705,7 @@ class _WorkerSide:
         header = path.stat().st_size - nbytes
         if not 0 <= header < 4096:
             raise RuntimeError(f"SidecarConnector: unexpected layout of torch shm file {path}")
-        logger.info(
-            "SidecarConnector: KV cache shared through torch shm file %s (header %d bytes)", path, header
-        )
+        logger.info("SidecarConnector: KV cache shared through torch shm file %s (header %d bytes)", path, header)
         return engine_pb2.MemoryExport(
             kind=common_pb2.MEMORY_KIND_DRAM, shm_path=str(path), offset=header, length=nbytes
         )
@@ -737,9 +721,7 @@ class _WorkerSide:
                 exc,
             )
             self._need_connect.set()
-        self._supervisor = threading.Thread(
-            target=self._supervise, name="kvsidecar-shim-supervisor", daemon=True
-        )
+        self._supervisor = threading.Thread(target=self._supervise, name="kvsidecar-shim-supervisor", daemon=True)
         self._supervisor.start()
         atexit.register(self._unlink_shm)
 
@@ -909,6 +891,11 @@ class _WorkerSide:
         for request_id, reason in meta.send_abandoned.items():
             self._finish_send(request_id, reason)
 
+    def poll(self) -> None:
+        """Apply what the event stream delivered so far (vLLM's worker thread only; results are
+        kept for the next ``get_transfer_results``)."""
+        self._drain()
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._drain()
         if self._receives or self._early:
@@ -967,9 +954,7 @@ class _WorkerSide:
             else:
                 self._sends.discard(request_id)
                 self._done_sending.add(request_id)
-                self._record(
-                    request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired"
-                )
+                self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
 
     def _keep_early(self, event: engine_pb2.Event) -> None:
         # An event may overtake the step that tells this worker about its request; kept briefly.
@@ -993,9 +978,7 @@ class _WorkerSide:
             # Block ids are unambiguous only with one KV cache group (vLLM refuses them otherwise).
             self._invalid_blocks.update(failed or pending.blocks)
         self._record(request_id, event, "load_failed", reason)
-        logger.warning(
-            "SidecarConnector: loading KV for %s failed (%s); vLLM recomputes it", request_id, reason
-        )
+        logger.warning("SidecarConnector: loading KV for %s failed (%s); vLLM recomputes it", request_id, reason)
 
     def _finish_send(self, request_id: str, reason: str) -> None:
         if request_id in self._sends:
@@ -1024,9 +1007,7 @@ class _WorkerSide:
                 break
             del self._early[request_id]
 
-    def _record(
-        self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = ""
-    ) -> None:
+    def _record(self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = "") -> None:
         self.transfers[request_id] = {
             "outcome": outcome,
             "bytes": event.bytes if event is not None else 0,
@@ -1142,9 +1123,7 @@ def compat_factors(vllm_config: VllmConfig) -> dict[str, str]:
 class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """Delegates to ``_SchedulerSide`` or ``_WorkerSide`` by role (see the module doc)."""
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
@@ -1227,14 +1206,10 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     # scheduler role ----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

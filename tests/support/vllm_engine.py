@@ -24,12 +24,16 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tests.support.processes import python_env
 
 
 def _emit(payload: dict[str, Any]) -> None:
@@ -85,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory_bytes=args.kv_bytes,
         kv_transfer_config=kv_transfer_config,
     )
-    engine = llm.llm_engine
-    core = engine.engine_core.engine_core  # in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # vLLM internals reached through the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    engine: Any = llm.llm_engine
+    core = engine.engine_core.engine_core
     scheduler = core.scheduler
     model_runner = core.model_executor.driver_worker.worker.model_runner
-    worker_connector = None
+    worker_connector: Any = None
     if kv_transfer_config is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -100,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         if worker_connector is None:
             return {}
         side = worker_connector.worker_side
-        return {"connected": side.connected, "sidecar_id": side.sidecar_id, "peer_address": side.peer_address,
-                "shm_paths": [str(path) for path in side._shm_paths]}
+        side.poll()  # this thread is vLLM's worker thread (uni executor)
+        return {
+            "connected": side.connected,
+            "sidecar_id": side.sidecar_id,
+            "peer_address": side.peer_address,
+            "shm_paths": [str(path) for path in side._shm_paths],
+        }
 
     _emit({"ready": {"pid": os.getpid(), "startup_s": time.monotonic() - started, **shim_status()}})
 
@@ -130,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                     if command.get("kv_transfer_params") is not None:
                         extra_args["kv_transfer_params"] = command["kv_transfer_params"]
                     params = SamplingParams(
-                        max_tokens=int(command.get("max_tokens", 16)), temperature=0.0, ignore_eos=True,
+                        max_tokens=int(command.get("max_tokens", 16)),
+                        temperature=0.0,
+                        ignore_eos=True,
                         extra_args=extra_args or None,
                     )
                     external = f"req-{counter}"
@@ -161,13 +173,21 @@ def main(argv: list[str] | None = None) -> int:
             if worker_connector is not None:
                 transfer = worker_connector.worker_side.transfers.get(internal)
                 external_tokens = scheduler_connector.scheduler_side.external_tokens.get(internal)
-            _emit({
-                "reply": "generate", "id": ident, "ok": True, "request_id": internal,
-                "token_ids": list(completion.token_ids), "text": completion.text,
-                "finish_reason": completion.finish_reason, "kv_transfer_params": output.kv_transfer_params,
-                "num_cached_tokens": output.num_cached_tokens, "transfer": transfer,
-                "external_tokens": external_tokens,
-            })
+            _emit(
+                {
+                    "reply": "generate",
+                    "id": ident,
+                    "ok": True,
+                    "request_id": internal,
+                    "token_ids": list(completion.token_ids),
+                    "text": completion.text,
+                    "finish_reason": completion.finish_reason,
+                    "kv_transfer_params": output.kv_transfer_params,
+                    "num_cached_tokens": output.num_cached_tokens,
+                    "transfer": transfer,
+                    "external_tokens": external_tokens,
+                }
+            )
     del llm
     return 0
 
@@ -184,25 +204,55 @@ class VllmEngineProcess:
     """Parent-side handle of ``python -m tests.support.vllm_engine``: start, send commands, wait
     for replies (every wait bounded), kill by PID and remove the engine's shared-memory files."""
 
-    def __init__(self, workdir: Path, name: str, model: Path, *, cpu: int, sidecar: Path | None = None,
-                 engine_id: str | None = None, role: str = "kv_both", transfer_mode: str = "pull",
-                 extra: dict[str, Any] | None = None) -> None:
-        from tests.support.processes import python_env
-
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        model: Path,
+        *,
+        cpu: int,
+        sidecar: Path | None = None,
+        engine_id: str | None = None,
+        role: str = "kv_both",
+        transfer_mode: str = "pull",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
         command = [sys.executable, "-m", "tests.support.vllm_engine", "--model", str(model)]
         if sidecar is not None:
-            command += ["--sidecar-socket", str(sidecar), "--engine-id", engine_id or name, "--role", role,
-                        "--transfer-mode", transfer_mode, "--extra", json.dumps(extra or {})]
-        env = python_env({
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_LOGGING_LEVEL": "WARNING",
-        })
+            command += [
+                "--sidecar-socket",
+                str(sidecar),
+                "--engine-id",
+                engine_id or name,
+                "--role",
+                role,
+                "--transfer-mode",
+                transfer_mode,
+                "--extra",
+                json.dumps(extra or {}),
+            ]
+        env = python_env(
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_LOGGING_LEVEL": "WARNING",
+            }
+        )
         log = self.log_path.open("ab")
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
         log.close()
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -270,10 +320,16 @@ class VllmEngineProcess:
     def command(self, op: str, timeout: float = 60.0, **fields: Any) -> dict[str, Any]:
         return self.reply(self.send(op, **fields), timeout)
 
-    def generate(self, prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
-                 timeout: float = 60.0) -> dict[str, Any]:
-        return self.command("generate", timeout, prompt=prompt, max_tokens=max_tokens,
-                            kv_transfer_params=kv_transfer_params)
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+    ) -> dict[str, Any]:
+        return self.command(
+            "generate", timeout, prompt=prompt, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params
+        )
 
     def shm_paths(self) -> list[Path]:
         return [Path(path) for path in self.ready.get("shm_paths", [])]
@@ -296,6 +352,116 @@ class VllmEngineProcess:
             except ProcessLookupError:
                 pass
             self.process.wait(10)
-        # The shim names its files kvsvllm-<engine>-<rank>-<pid>-*; remove them even after a kill.
-        for path in Path("/dev/shm").glob(f"kvsvllm-*-{self.process.pid}-*"):
-            path.unlink(missing_ok=True)
+        remove_shm_files(self.process.pid)
+
+
+def remove_shm_files(pid: int) -> list[Path]:
+    """Remove the KV files of the shim in process ``pid`` (kvsvllm-<engine>-<rank>-<pid>-<random>),
+    left behind when the process was killed; returns what was removed."""
+    removed = []
+    for path in Path("/dev/shm").glob(f"kvsvllm-*-{pid}-*"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def remove_engine_shm_files(engine_id: str) -> list[Path]:
+    """Remove every KV file the shim made for ``engine_id`` (any rank, any process)."""
+    removed = []
+    for path in Path("/dev/shm").glob(f"kvsvllm-{engine_id}-pp*"):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class VllmServer:
+    """vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) in its own
+    session: the API process plus its EngineCore process, as users deploy it. Killed by process
+    group; the shim's KV files are removed by engine id."""
+
+    def __init__(
+        self, workdir: Path, name: str, model: Path, *, cpu: int, kv_transfer_config: dict[str, Any] | None = None
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.engine_id = str((kv_transfer_config or {}).get("engine_id") or "")
+        self.log_path = workdir / f"vllm-server-{name}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+        ]
+        if kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        env = python_env(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    def wait_ready(self, timeout: float = 180.0) -> VllmServer:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM server {self.name} not ready within {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait(10)
+        if self.engine_id:
+            remove_engine_shm_files(self.engine_id)
