@@ -1,0 +1,415 @@
+"""End to end with real vLLM on the CPU: prefill and decode engines exchange KV through sidecars.
+
+Processes (all started once per module, killed by PID/process group at the end):
+- sidecars ``a`` and ``b`` (``kvsidecar serve``);
+- ``baseline``: vLLM without a connector, the reference output;
+- ``prefill`` (on ``a``), ``decode`` (on ``b``) and ``local_decode`` (on ``a``, same sidecar as P):
+  offline vLLM engines with the SidecarConnector, driven over JSON lines (tests.support.vllm_engine);
+- for the proxy test only: two ``vllm serve`` API servers and ``examples/pd_proxy.py``.
+
+Every prompt is used once (fresh seeds), so no engine answers from its local prefix cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_shim.client import SidecarClient
+from tests.support.processes import REPO, SidecarProcess, python_env, wait_until
+from tests.support.tiny_models import build_tiny_llama, prompt_words
+from tests.support.vllm_engine import (
+    VllmEngineProcess,
+    VllmServer,
+    free_port,
+    remove_engine_shm_files,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK_SIZE = 32
+MAX_TOKENS = 12
+LAYERS = 2
+# One block of one layer: 2 KV heads x 32 tokens x (2 x 32 head dims) x 4 bytes.
+BLOCK_BYTES = 2 * BLOCK_SIZE * 64 * 4
+PROMPT_LENGTHS = (100, 170, 230, 300)
+_seeds = count(1000)
+
+
+def fresh_prompt(length: int) -> str:
+    return prompt_words(length, next(_seeds))
+
+
+def blocks_of(length: int) -> int:
+    return -(-length // BLOCK_SIZE)
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    model: Path
+    token: str
+    a: SidecarProcess
+    b: SidecarProcess
+    baseline: VllmEngineProcess
+    prefill: VllmEngineProcess
+    decode: VllmEngineProcess
+    local_decode: VllmEngineProcess
+    engine_ids: list[str] = field(default_factory=list)
+
+    def reference(self, prompt: str) -> list[int]:
+        tokens: list[int] = self.baseline.generate(prompt, MAX_TOKENS)["token_ids"]
+        return tokens
+
+    def prefill_leg(self, prompt: str, mode: str, transfer_id: str | None = None) -> dict[str, Any]:
+        answer = self.prefill.generate(
+            prompt, 1, {"do_remote_decode": True, "transfer_id": transfer_id or uuid.uuid4().hex, "transfer_mode": mode}
+        )
+        params: dict[str, Any] = answer["kv_transfer_params"]
+        assert params and params["do_remote_prefill"] and params["transfer_mode"] == mode, answer
+        return params
+
+
+def decode_params(params: dict[str, Any]) -> dict[str, Any]:
+    # vLLM copies P's own cache hits into D's num_cached_tokens when this key is present; without
+    # it D reports what *it* did not compute, which is what these tests check.
+    return {key: value for key, value in params.items() if key != "remote_prefill_cached_tokens"}
+
+
+def assert_loaded_from_outside(answer: dict[str, Any], length: int, mode: str) -> None:
+    transfer = answer["transfer"]
+    assert transfer is not None and transfer["outcome"] == "received", answer
+    assert answer["external_tokens"] == length, answer  # the scheduler loaded the whole prompt
+    assert answer["num_cached_tokens"] == length, answer  # and computed none of it
+    if mode == "pull":
+        assert transfer["bytes"] == blocks_of(length) * LAYERS * BLOCK_BYTES, answer
+
+
+def start_engines(cluster_dir: Path, model: Path, token: str, a: SidecarProcess, b: SidecarProcess) -> Cluster:
+    engines: list[VllmEngineProcess] = []
+    try:
+        baseline = VllmEngineProcess(cluster_dir, "baseline", model, cpu=0)
+        engines.append(baseline)
+        specs = [
+            ("prefill", a, "kv_producer", 0),
+            ("decode", b, "kv_consumer", 1),
+            ("local_decode", a, "kv_consumer", 1),
+        ]
+        made = {}
+        for name, sidecar, role, cpu in specs:
+            engine = VllmEngineProcess(
+                cluster_dir, name, model, cpu=cpu, sidecar=sidecar.socket, engine_id=f"{name}-{token}", role=role
+            )
+            engines.append(engine)
+            made[name] = engine
+        for engine in engines:
+            engine.wait_ready(180.0)
+    except BaseException:
+        for engine in engines:
+            engine.kill()
+        raise
+    cluster = Cluster(cluster_dir, model, token, a, b, baseline, made["prefill"], made["decode"], made["local_decode"])
+    cluster.engine_ids = [f"{name}-{token}" for name, *_ in specs]
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    # Unix socket paths are limited to 107 bytes: keep the sidecars' directory short.
+    workdir = Path(tempfile.mkdtemp(prefix="kvsv-", dir="/tmp"))
+    token = uuid.uuid4().hex[:8]
+    a, b = SidecarProcess(workdir, "a"), SidecarProcess(workdir, "b")
+    cluster = None
+    try:
+        a.start()
+        b.start()
+        cluster = start_engines(workdir, model, token, a, b)
+        yield cluster
+    finally:
+        if cluster is not None:
+            for engine in (cluster.baseline, cluster.prefill, cluster.decode, cluster.local_decode):
+                engine.stop(timeout=20.0)
+        for sidecar in (a, b):
+            sidecar.kill()
+        leaked = [
+            path for engine_id in (cluster.engine_ids if cluster else []) for path in remove_engine_shm_files(engine_id)
+        ]
+        shutil.rmtree(workdir, ignore_errors=True)
+        assert not leaked, f"KV shared-memory files left behind: {leaked}"
+
+
+# --- P and D on two sidecars -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_decode_with_prefill_kv_equals_single_instance(cluster: Cluster, mode: str) -> None:
+    for length in PROMPT_LENGTHS:
+        prompt = fresh_prompt(length)
+        params = cluster.prefill_leg(prompt, mode)
+        assert params["remote_host"] + ":" + str(params["remote_port"]) == cluster.a.address
+        assert params["remote_engine_id"] == cluster.engine_ids[0]
+        assert len(params["remote_block_ids"][0]) == blocks_of(length)
+        answer = cluster.decode.generate(prompt, MAX_TOKENS, decode_params(params))
+        assert answer["token_ids"] == cluster.reference(prompt), f"{mode}, {length} tokens"
+        assert_loaded_from_outside(answer, length, mode)
+
+
+def test_push_with_both_legs_dispatched_at_once(cluster: Cluster) -> None:
+    """The router sends D its leg first (it only knows P's engine id and sidecar) and P second,
+    with the same transfer_id; D's registration waits at P's sidecar until P's blocks arrive."""
+    host, _, port = cluster.a.address.rpartition(":")
+    for length in (130, 260):
+        prompt = fresh_prompt(length)
+        transfer_id = uuid.uuid4().hex
+        decode_leg = cluster.decode.send(
+            "generate",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params={
+                "do_remote_prefill": True,
+                "remote_engine_id": cluster.engine_ids[0],
+                "remote_host": host,
+                "remote_port": int(port),
+                "transfer_id": transfer_id,
+                "transfer_mode": "push",
+                "tp_size": 1,
+            },
+        )
+        time.sleep(0.3)  # let D register first (the other order is the sequential test above)
+        cluster.prefill_leg(prompt, "push", transfer_id)
+        answer = cluster.decode.reply(decode_leg, timeout=60.0)
+        assert answer["token_ids"] == cluster.reference(prompt)
+        assert_loaded_from_outside(answer, length, "push")
+
+
+def test_negative_control_corrupted_prefill_kv_changes_the_output(cluster: Cluster) -> None:
+    """Zeroing P's blocks after the prefill and before D loads them changes D's output: D really
+    decodes from the transferred KV (and the positive tests are not vacuous)."""
+    changed = 0
+    for length in (120, 250):
+        prompt = fresh_prompt(length)
+        params = cluster.prefill_leg(prompt, "pull")
+        cluster.prefill.command("corrupt", blocks=params["remote_block_ids"][0])
+        answer = cluster.decode.generate(prompt, MAX_TOKENS, decode_params(params))
+        assert_loaded_from_outside(answer, length, "pull")
+        changed += answer["token_ids"] != cluster.reference(prompt)
+    assert changed == 2
+
+
+# --- P and D on the same sidecar -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_same_sidecar(cluster: Cluster, mode: str) -> None:
+    for length in (110, 290):
+        prompt = fresh_prompt(length)
+        params = cluster.prefill_leg(prompt, mode)
+        answer = cluster.local_decode.generate(prompt, MAX_TOKENS, decode_params(params))
+        assert answer["token_ids"] == cluster.reference(prompt), f"{mode}, {length} tokens"
+        assert_loaded_from_outside(answer, length, mode)
+
+
+# --- the proxy in front of vLLM's API servers ------------------------------------------------------
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        result: dict[str, Any] = json.loads(response.read())
+        return result
+
+
+def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
+    """``examples/pd_proxy.py`` in front of two ``vllm serve`` instances (API + EngineCore
+    processes, as deployed), in pull, push and concurrent-push flow."""
+    token = cluster.token
+    prefill_id, decode_id = f"srv-prefill-{token}", f"srv-decode-{token}"
+
+    def kv_config(engine_id: str, role: str, sidecar: SidecarProcess) -> dict[str, Any]:
+        return {
+            "kv_connector": "SidecarConnector",
+            "kv_connector_module_path": "engine_shim.vllm_connector",
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"sidecar_socket": str(sidecar.socket)},
+        }
+
+    servers = [
+        VllmServer(
+            cluster.workdir,
+            "prefill",
+            cluster.model,
+            cpu=0,
+            kv_transfer_config=kv_config(prefill_id, "kv_producer", cluster.a),
+        ),
+        VllmServer(
+            cluster.workdir,
+            "decode",
+            cluster.model,
+            cpu=1,
+            kv_transfer_config=kv_config(decode_id, "kv_consumer", cluster.b),
+        ),
+    ]
+    proxies: list[subprocess.Popen[bytes]] = []
+    try:
+        for server in servers:
+            server.wait_ready()
+        urls = {}
+        for mode, concurrent in (("pull", False), ("push", False), ("push", True)):
+            port = free_port()
+            command = [
+                sys.executable,
+                str(REPO / "examples" / "pd_proxy.py"),
+                "--prefill",
+                servers[0].url,
+                "--decode",
+                servers[1].url,
+                "--port",
+                str(port),
+                "--mode",
+                mode,
+                "--timeout",
+                "120",
+            ]
+            if concurrent:
+                command += ["--concurrent", "--prefill-kv", f"{prefill_id}@{cluster.a.address}"]
+            log = (cluster.workdir / f"proxy-{mode}-{concurrent}.log").open("ab")
+            proxies.append(
+                subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=python_env(), start_new_session=True
+                )
+            )
+            log.close()
+            urls[(mode, concurrent)] = f"http://127.0.0.1:{port}"
+        for url in urls.values():
+            wait_until(lambda url=url: _healthy(url), 30.0, 0.2, f"proxy {url}")
+        for (mode, concurrent), url in urls.items():
+            for length in (140, 270):
+                prompt = fresh_prompt(length)
+                answer = _post(
+                    f"{url}/v1/completions",
+                    {
+                        "model": "tiny",
+                        "prompt": prompt,
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                )
+                got = answer["choices"][0]
+                assert got["token_ids"] == cluster.reference(prompt), f"{mode} concurrent={concurrent} {length}"
+    finally:
+        for proxy in proxies:
+            proxy.kill()
+            proxy.wait(10)
+        for server in servers:
+            server.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+
+def _status(engine: VllmEngineProcess) -> dict[str, Any]:
+    return engine.command("status", timeout=10.0)
+
+
+def _wait_registered(engine: VllmEngineProcess, sidecar: SidecarProcess, timeout: float = 30.0) -> None:
+    def registered() -> bool:
+        status = _status(engine)
+        return bool(status["connected"] and status["sidecar_id"] == sidecar.sidecar_id)
+
+    wait_until(registered, timeout, 0.2, f"{engine.name} registered with the restarted sidecar")
+
+
+def _pending_receives(sidecar: SidecarProcess) -> int:
+    with SidecarClient(sidecar.socket, timeout=5.0) as client:
+        return int(client.status().pending_receives)
+
+
+def test_consumer_sidecar_restart_fails_inflight_request_to_recompute(cluster: Cluster) -> None:
+    """D waits for a push that never comes when its sidecar dies: the closed event stream fails the
+    request, vLLM recomputes it (same output), and the shim registers with the new sidecar."""
+    host, _, port = cluster.a.address.rpartition(":")
+    prompt = fresh_prompt(180)
+    reference = cluster.reference(prompt)
+    waiting = cluster.decode.send(
+        "generate",
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "remote_engine_id": cluster.engine_ids[0],
+            "remote_host": host,
+            "remote_port": int(port),
+            "transfer_id": uuid.uuid4().hex,
+            "transfer_mode": "push",
+            "tp_size": 1,
+        },
+    )
+    wait_until(lambda: _pending_receives(cluster.b) >= 1, 30.0, 0.1, "D's push registered")
+    started = time.monotonic()
+    cluster.b.restart()
+    answer = cluster.decode.reply(waiting, timeout=60.0)
+    elapsed = time.monotonic() - started
+    assert answer["token_ids"] == reference
+    assert answer["transfer"]["outcome"] == "load_failed", answer
+    assert "stream closed" in answer["transfer"]["reason"] or "sidecar" in answer["transfer"]["reason"], answer
+    assert elapsed < 30.0
+    _wait_registered(cluster.decode, cluster.b)
+    prompt = fresh_prompt(150)
+    params = cluster.prefill_leg(prompt, "pull")
+    recovered = cluster.decode.generate(prompt, MAX_TOKENS, decode_params(params))
+    assert recovered["token_ids"] == cluster.reference(prompt)
+    assert_loaded_from_outside(recovered, 150, "pull")
+
+
+def test_prefill_sidecar_killed_before_decode_loads(cluster: Cluster) -> None:
+    """P's sidecar dies after P answered and before D loads: D's request still completes with the
+    right output (vLLM recomputes) within a bound; after a restart the P shim registers again and
+    transfers work."""
+    prompt = fresh_prompt(220)
+    reference = cluster.reference(prompt)
+    params = cluster.prefill_leg(prompt, "pull")
+    cluster.a.kill()
+    try:
+        started = time.monotonic()
+        answer = cluster.decode.generate(prompt, MAX_TOKENS, decode_params(params), timeout=90.0)
+        elapsed = time.monotonic() - started
+        assert answer["token_ids"] == reference
+        assert answer["transfer"]["outcome"] == "load_failed", answer
+        assert answer["num_cached_tokens"] == 0  # computed by D itself
+        assert elapsed < 30.0, f"recompute took {elapsed:.1f}s"
+    finally:
+        cluster.a.restart()
+    _wait_registered(cluster.prefill, cluster.a)
+    _wait_registered(cluster.local_decode, cluster.a)
+    for decode in (cluster.decode, cluster.local_decode):
+        prompt = fresh_prompt(160)
+        params = cluster.prefill_leg(prompt, "pull")
+        recovered = decode.generate(prompt, MAX_TOKENS, decode_params(params))
+        assert recovered["token_ids"] == cluster.reference(prompt)
+        assert_loaded_from_outside(recovered, 160, "pull")
