@@ -106,7 +106,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _add_demo(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "demo", help="move real KV between two sidecars and verify every byte",
+        "demo",
+        help="move real KV between two sidecars and verify every byte",
         description="Start a producer and a consumer sidecar on loopback, a simulated engine on each, move a mix "
         "of requests in push and pull mode, verify every byte and print throughput and latency.",
     )
@@ -132,11 +133,38 @@ def _demo(args: argparse.Namespace) -> int:
         print("kvsidecar: need 1 <= --min-blocks <= --max-blocks", file=sys.stderr)
         return 2
     try:
-        return run_demo(args.requests, modes, args.min_blocks, args.max_blocks, args.block_kib, args.concurrency,
-                        args.seed, args.same_node)
+        return run_demo(
+            args.requests,
+            modes,
+            args.min_blocks,
+            args.max_blocks,
+            args.block_kib,
+            args.concurrency,
+            args.seed,
+            args.same_node,
+        )
     except KeyboardInterrupt:
         print("\ninterrupted; sidecars stopped and shared memory removed", file=sys.stderr)
         return 130
+
+
+def _add_bench(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="kvsidecar push/pull vs raw NIXL vs memcpy, one invocation",
+        description="Measure the same transfers through kvsidecar push and pull, raw NIXL in one process and "
+        "numpy.copyto; write JSON rows (and a PNG plot).",
+    )
+    parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
+    parser.add_argument("--png", type=Path, default=None, help="also plot GB/s per scenario and path")
+    parser.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    parser.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from sidecar.bench import main_bench
+
+    return main_bench(args.json, args.png, args.quick)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(subparsers)
     _add_status(subparsers)
     _add_demo(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
