@@ -31,7 +31,12 @@ def main() -> int:
     agent.register_memory([(address, length, 0, "")], "DRAM")
     print(address, agent.get_agent_metadata().hex(), flush=True)
     done = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+
+    def wait_for_eof() -> None:
+        sys.stdin.read()
+        done.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
     while not done.is_set():
         agent.get_new_notifs()  # progress: wire-up and notifications
         time.sleep(0.0001)

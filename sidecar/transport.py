@@ -478,7 +478,7 @@ class NixlTransport:
         while status == "PROC" and time.perf_counter() < spin_until:
             try:
                 status = state.agent.check_xfer_state(handle)
-            except Exception as exc:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
+            except Exception as exc:
                 self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
                 return _DEFERRED
         if status == "DONE":
