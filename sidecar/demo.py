@@ -111,9 +111,15 @@ def run_mode(
             progress.update(1)
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency, thread_name_prefix=f"demo-{mode}") as executor:
+    executor = ThreadPoolExecutor(concurrency, thread_name_prefix=f"demo-{mode}")
+    try:
         for future in [executor.submit(one, index, size) for index, size in enumerate(sizes)]:
             future.result()
+    except BaseException:
+        # Ctrl-C: drop what has not started; what runs ends within its bounded wait.
+        executor.shutdown(wait=True, cancel_futures=True)
+        raise
+    executor.shutdown()
     result.seconds = time.perf_counter() - started
     return result
 

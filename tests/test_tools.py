@@ -1,0 +1,82 @@
+"""`kvsidecar demo` and `kvsidecar bench`: what a newcomer runs first, and what the numbers stand on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.support.processes import python_env
+
+ROW_FIELDS = {"scenario": str, "path": str, "bytes": int, "p50_ms": float, "p99_ms": float, "gbps": float}
+
+
+def test_demo_moves_and_verifies_every_byte_in_push_and_pull() -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo"], capture_output=True, text=True, timeout=180, env=python_env()
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK: every byte arrived intact." in result.stdout
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("push ", "pull "))}
+    assert set(rows) == {"push", "pull"}
+    for row in rows.values():
+        assert row[1] == "200" and row[-1] == "yes"
+        assert float(row[2]) > 0.5  # GiB moved: 200 requests of 8-256 blocks of 64 KiB
+    assert time.monotonic() - started < 120
+
+
+def test_demo_stops_cleanly_on_ctrl_c() -> None:
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("kvsidecar-")}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "sidecar.cli", "demo", "--requests", "100000", "--concurrency", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        time.sleep(6.0)  # sidecars started, requests flowing
+        children = [child.pid for child in psutil.Process(demo.pid).children(recursive=True)]
+        assert children, "the demo should have started its sidecars"
+        demo.send_signal(signal.SIGINT)
+        _, stderr = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 130, stderr
+    assert "interrupted" in stderr
+    for pid in children:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"child {pid} left"
+    after = {name for name in os.listdir("/dev/shm") if name.startswith("kvsidecar-")}
+    assert after <= before, f"shared memory left behind: {after - before}"
+
+
+def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_path: Path) -> None:
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "bench", "--quick", "--json", str(out), "--png", str(plot)],
+        capture_output=True, text=True, timeout=300, env=python_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paths = {row["path"] for row in rows}
+    assert {"kvsidecar-push", "kvsidecar-pull", "raw-nixl", "raw-nixl-2proc", "memcpy"} <= paths
+    for row in rows:
+        for name, kind in ROW_FIELDS.items():
+            assert isinstance(row[name], kind), (name, row)
+        assert "ratio_vs_raw_nixl" in row
+        assert row["verified"] is True, row
+        assert row["bytes"] == row["block_bytes"] * row["blocks"]
+        assert row["gbps"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["requests"] >= 1
+    transfer_rows = [row for row in rows if not row["scenario"].startswith("control-plane")]
+    raw = {row["scenario"]: row["gbps"] for row in transfer_rows if row["path"] == "raw-nixl"}
+    for row in transfer_rows:
+        assert abs(row["ratio_vs_raw_nixl"] - row["gbps"] / raw[row["scenario"]]) < 1e-9
+    control = [row for row in rows if row["scenario"].startswith("control-plane")]
+    assert {row["extra"]["target_rps"] for row in control} == {1.0, 100.0, 1000.0}
