@@ -36,7 +36,8 @@ def make_pki(directory: Path, name: str) -> tuple[Path, Path, Path]:
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
     ca = (
         x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )  # fmt: skip
@@ -74,14 +75,12 @@ def test_pull_over_mtls_and_strangers_are_refused(workdir: Path, sidecars, engin
     )
 
     request = peer_pb2.HandshakeRequest(engine_id="P")
-    with grpc.insecure_channel(p_side.address) as plaintext:
-        with pytest.raises(grpc.RpcError):
-            peer_pb2_grpc.PeerServiceStub(plaintext).Handshake(request, timeout=3)
+    with grpc.insecure_channel(p_side.address) as plaintext, pytest.raises(grpc.RpcError):
+        peer_pb2_grpc.PeerServiceStub(plaintext).Handshake(request, timeout=3)
     other_cert, other_key, _ = make_pki(workdir, "stranger")
     credentials = grpc.ssl_channel_credentials(ca.read_bytes(), other_key.read_bytes(), other_cert.read_bytes())
-    with grpc.secure_channel(p_side.address, credentials) as stranger:
-        with pytest.raises(grpc.RpcError) as refused:
-            peer_pb2_grpc.PeerServiceStub(stranger).Handshake(request, timeout=3)
+    with grpc.secure_channel(p_side.address, credentials) as stranger, pytest.raises(grpc.RpcError) as refused:
+        peer_pb2_grpc.PeerServiceStub(stranger).Handshake(request, timeout=3)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     own = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
     with grpc.secure_channel(p_side.address, own) as member:
