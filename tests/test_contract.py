@@ -194,3 +194,32 @@ def test_empty_and_malformed_requests_are_invalid_argument_and_the_daemon_keeps_
     status = grpcurl("-d", "{}", *target, "kvsidecar.v1.EngineService/GetStatus")
     assert status.returncode == 0, status.stderr
     assert sidecar.process is not None and sidecar.process.poll() is None
+
+
+def test_push_reg_for_an_unknown_engine_is_not_found_and_duplicates_are_idempotent(sidecars, engines) -> None:
+    from kvsidecar.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+    sidecar = sidecars()
+    engines(sidecar, "P", "producer")
+    request = peer_pb2.PushRegRequest(
+        caller=common_pb2.SidecarInfo(sidecar_id="someone", address="127.0.0.1:9"),
+        prefill_engine_id="nope",
+        decode_engine_id="D",
+        request_id="r-1",
+        transfer_id="t-1",
+        block_ids=common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=[1, 2])]),
+    )
+    with grpc.insecure_channel(sidecar.address) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.PushReg(request, timeout=5)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in error.value.details()
+        request.prefill_engine_id = "P"
+        first = stub.PushReg(request, timeout=5)
+        second = stub.PushReg(request, timeout=5)
+        assert not first.matched and not second.matched
+        assert first.sidecar_id == second.sidecar_id == sidecar.sidecar_id
+    from engine_shim.client import SidecarClient
+
+    with SidecarClient(sidecar.socket) as client:
+        assert client.status().pending_push_registrations == 1
