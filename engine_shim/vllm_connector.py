@@ -57,15 +57,17 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import os
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import torch
@@ -188,12 +190,14 @@ class ShimConfig:
 class SidecarConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells every worker each step (plain builtins only)."""
 
-    # Consumer: requests whose KV the sidecar now fetches -> their local block ids (all groups, flat).
-    recv_started: dict[str, list[int]] = field(default_factory=dict)
+    # Consumer: requests whose KV the sidecar now fetches -> (time.monotonic() of the Pull /
+    # ExpectPush call, their local block ids of all groups, flat).
+    recv_started: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
     # Consumer: request calls that failed (the request must be recomputed) -> reason.
     recv_failed: dict[str, str] = field(default_factory=dict)
-    # Producer: requests whose blocks the sidecar now holds for a consumer.
-    send_started: list[str] = field(default_factory=list)
+    # Producer: requests whose blocks the sidecar now holds for a consumer -> time.monotonic() of
+    # the SubmitBlocks call.
+    send_started: dict[str, float] = field(default_factory=dict)
     # Producer: submissions that failed -> reason; their blocks can be freed at once.
     send_abandoned: dict[str, str] = field(default_factory=dict)
 
@@ -230,6 +234,31 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _FutureLike(Protocol):
+    """A gRPC future, or a plain future standing for a call issued later (see _after_keep_alive)."""
+
+    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
+
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+    def done(self) -> bool: ...
+
+
+def _copy_outcome(source: grpc.Future, target: concurrent.futures.Future[Any]) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+def _ignore(future: _FutureLike) -> None:
+    """Done-callback of a best-effort call: consume its outcome (gRPC logs unretrieved errors)."""
+    future.exception()
+
+
 def _rpc_error(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
     if isinstance(exc, grpc.RpcError):
         code = exc.code()
@@ -247,7 +276,8 @@ class _Receive:
     request_id: str
     transfer_id: str
     blocks: list[int]
-    future: grpc.Future
+    future: _FutureLike
+    aborted: bool = False
 
 
 class _SchedulerSide:
@@ -270,10 +300,17 @@ class _SchedulerSide:
         self._address_future: grpc.Future | None = None
         self._down = False  # the channel is in TRANSIENT_FAILURE / SHUTDOWN
         self._receives: dict[str, _Receive] = {}
+        # Consumer requests whose producer lease the sidecar keeps alive until they are scheduled,
+        # and those whose producer already said it no longer holds the KV (recompute them).
+        self._arrived: dict[str, Request] = {}
+        self._kept_alive: dict[str, grpc.Future] = {}
+        self._producer_lost: set[str] = set()
         self._sends: set[str] = set()  # producer requests whose blocks the sidecar holds
         self._push_sends: set[str] = set()  # the subset a consumer's registration makes us WRITE
-        self._new_receives: dict[str, list[int]] = {}
-        self._new_sends: list[str] = []
+        # Announced to the workers in the next metadata, with the time.monotonic() of the request
+        # call (CLOCK_MONOTONIC is node-wide, so workers compare it with their stream losses).
+        self._new_receives: dict[str, tuple[float, list[int]]] = {}
+        self._new_sends: dict[str, float] = {}
         # Filled by gRPC callback threads: ("recv" | "send", request id, reason).
         self._failures: collections.deque[tuple[str, str, str]] = collections.deque()
         # Tokens this engine was told to load from outside, per request (bounded; for observability).
@@ -312,7 +349,7 @@ class _SchedulerSide:
 
         future.add_done_callback(done)
 
-    def _on_receive_call_done(self, request_id: str, transfer_id: str, what: str, future: grpc.Future) -> None:
+    def _on_receive_call_done(self, request_id: str, transfer_id: str, what: str, future: _FutureLike) -> None:
         exc = future.exception()
         if exc is None:
             return  # accepted (or refused with a LOAD_FAILED event, which the workers get)
@@ -350,6 +387,61 @@ class _SchedulerSide:
             return tuple(list(group) for group in block_ids)
         return tuple(list(block_ids[group]) for group in self._transfer_groups)
 
+    def on_new_request(self, request: Request) -> None:
+        # A consumer request may wait here a while before it is scheduled; the producer's lease
+        # must not run out meanwhile (vLLM's decode engines heartbeat from arrival). Requests still
+        # waiting at the end of this step get a KeepAlive (see build_connector_meta).
+        params = request.kv_transfer_params
+        if (
+            params
+            and params.get("do_remote_prefill")
+            and (params.get("remote_request_id") or params.get("transfer_id"))
+        ):
+            self._arrived[request.request_id] = request
+
+    def _keep_alive(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        address, engine = _address(params), params.get("remote_engine_id")
+        if address is None or not engine or self._down:
+            return
+        request_id = request.request_id
+        target = remote(
+            address, str(engine), str(params.get("remote_request_id") or ""), tp_size=int(params.get("tp_size") or 0)
+        )
+        future = self.client.keep_alive_async(
+            self.engine_id, request_id, target, transfer_id=str(params.get("transfer_id") or "")
+        )
+        self._kept_alive[request_id] = future
+
+        def done(f: grpc.Future) -> None:
+            # Errors (an older sidecar without KeepAlive, a sidecar that is down) change nothing:
+            # the request call that follows reports its own failure.
+            if f.exception() is None and not f.result().producer_holds:
+                self._producer_lost.add(request_id)
+
+        future.add_done_callback(done)
+
+    def _after_keep_alive(self, request_id: str, call: Callable[[], grpc.Future]) -> _FutureLike:
+        """Issue ``call`` once the request's KeepAlive (if any) is answered, so the call that ends
+        the keep-alive on the sidecar cannot overtake it and leave it running."""
+        kept = self._kept_alive.pop(request_id, None)
+        if kept is None or kept.done():
+            return call()
+        proxy: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def issue(_: grpc.Future) -> None:
+            try:
+                real = call()
+            except Exception as exc:
+                proxy.set_exception(exc)
+                return
+            real.add_done_callback(lambda f: _copy_outcome(f, proxy))
+
+        kept.add_done_callback(issue)
+        return proxy
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
@@ -361,8 +453,10 @@ class _SchedulerSide:
                 params,
             )
             return 0, False
-        if self._down:
-            return 0, False  # our sidecar is down: recompute instead of waiting for a failure
+        if self._down or request.request_id in self._producer_lost:
+            # Our sidecar is down, or the producer no longer holds the KV: recompute now instead
+            # of waiting for a failure.
+            return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -372,6 +466,8 @@ class _SchedulerSide:
             return
         # One transfer per request, also when the request is rescheduled (vLLM's re-entry guard).
         params["do_remote_prefill"] = False
+        self._arrived.pop(request.request_id, None)
+        self._producer_lost.discard(request.request_id)
         address = _address(params)
         engine = params.get("remote_engine_id")
         if address is None or not engine:
@@ -380,9 +476,8 @@ class _SchedulerSide:
         request_id = request.request_id
         transfer_id = str(params.get("transfer_id") or "")
         if num_external_tokens <= 0:
-            # Nothing to load (a full local prefix hit, or a recompute decision): in pull mode the
-            # producer still learns it may free its blocks.
-            self._notify_only(request_id, params)
+            # Nothing to load (a full local prefix hit, or a recompute decision).
+            self._fetch_nothing(request_id, params, "nothing to load")
             return
         local = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
         target = remote(
@@ -393,34 +488,42 @@ class _SchedulerSide:
             int(params.get("tp_size") or 0),
             int(params.get("remote_num_tokens") or 0),
         )
+        # The Pull / ExpectPush also ends the sidecar's keep-alive of the request.
+        client = self.client
         if mode == "pull":
-            future = self.client.pull_async(
-                self.engine_id,
-                request_id,
-                local,
-                target,
-                transfer_id=transfer_id,
-                timeout_seconds=self.config.pull_timeout,
+            call = partial(
+                client.pull_async, self.engine_id, request_id, local, target, transfer_id, self.config.pull_timeout
             )
         else:
-            future = self.client.expect_push_async(
+            call = partial(
+                client.expect_push_async,
                 self.engine_id,
                 request_id,
                 local,
                 target,
-                transfer_id=transfer_id,
-                timeout_seconds=self.config.push_timeout,
+                transfer_id,
+                self.config.push_timeout,
             )
+        future = self._after_keep_alive(request_id, call)
         flat = _flat(local)
         self._receives[request_id] = _Receive(request_id, transfer_id, flat, future)
-        self._new_receives[request_id] = flat
+        self._new_receives[request_id] = (time.monotonic(), flat)
         what = "Pull" if mode == "pull" else "ExpectPush"
         future.add_done_callback(lambda f: self._on_receive_call_done(request_id, transfer_id, what, f))
         self.external_tokens[request_id] = num_external_tokens
         while len(self.external_tokens) > 4096:
             self.external_tokens.popitem(last=False)
 
-    def _notify_only(self, request_id: str, params: Mapping[str, Any]) -> None:
+    def _fetch_nothing(self, request_id: str, params: Mapping[str, Any], reason: str) -> None:
+        """This consumer request will fetch nothing: the producer may free its blocks (pull mode),
+        and the sidecar stops keeping the producer's lease alive."""
+        if self._notify_only(request_id, params) or request_id not in self._kept_alive:
+            return
+        transfer_id = str(params.get("transfer_id") or "")
+        release = partial(self.client.release_async, self.engine_id, request_id, transfer_id, reason)
+        self._after_keep_alive(request_id, release).add_done_callback(_ignore)
+
+    def _notify_only(self, request_id: str, params: Mapping[str, Any]) -> bool:
         """Tell the producer's sidecar that this consumer reads nothing, so it frees its blocks.
 
         Pull mode only: an empty Pull is the sidecar's "full prefix hit" path. In push mode the
@@ -428,7 +531,7 @@ class _SchedulerSide:
         remote_blocks = _grouped(params.get("remote_block_ids"))
         address = _address(params)
         if self._mode(params) != "pull" or not remote_blocks or address is None or self._down:
-            return
+            return False
         target = remote(
             address,
             str(params.get("remote_engine_id")),
@@ -436,14 +539,12 @@ class _SchedulerSide:
             remote_blocks,
             int(params.get("tp_size") or 0),
         )
-        future = self.client.pull_async(
-            self.engine_id,
-            request_id,
-            tuple([] for _ in remote_blocks),
-            target,
-            transfer_id=str(params.get("transfer_id") or ""),
-        )
-        future.add_done_callback(lambda f: f.exception())  # best effort; the lease frees them otherwise
+        empty: BlockIds = tuple([] for _ in remote_blocks)
+        transfer_id = str(params.get("transfer_id") or "")
+        call = partial(self.client.pull_async, self.engine_id, request_id, empty, target, transfer_id)
+        # Best effort: the producer's lease frees the blocks otherwise.
+        self._after_keep_alive(request_id, call).add_done_callback(_ignore)
+        return True
 
     def request_finished(
         self, request: Request, block_ids: Sequence[Sequence[int]]
@@ -454,16 +555,22 @@ class _SchedulerSide:
         if not params:
             return False, None
         request_id = request.request_id
-        receive = self._receives.pop(request_id, None)
+        self._producer_lost.discard(request_id)
+        self._arrived.pop(request_id, None)
         if params.get("do_remote_prefill"):
-            # Finished (aborted) before blocks were allocated: nothing was fetched.
+            # Finished (aborted) before blocks were allocated: nothing was fetched. The producer may
+            # free its blocks (pull), and the sidecar stops keeping its lease alive.
             params["do_remote_prefill"] = False
-            self._notify_only(request_id, params)
+            self._fetch_nothing(request_id, params, "aborted before its KV was requested")
             return False, None
+        receive = self._receives.get(request_id)
         if receive is not None:
             # Finished while its KV is still on the way (an abort): vLLM keeps the blocks until the
-            # workers report the request; make the sidecar end it now rather than at its timeout.
-            self._release_after(receive, "the consumer request was aborted")
+            # workers report the request, so it stays tracked (a failed request call must still
+            # reach them); the sidecar is asked to end it now rather than at its timeout.
+            if not receive.aborted:
+                receive.aborted = True
+                self._release_after(receive, "the consumer request was aborted")
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -494,7 +601,7 @@ class _SchedulerSide:
         self._sends.add(request_id)
         if mode == "push":
             self._push_sends.add(request_id)
-        self._new_sends.append(request_id)
+        self._new_sends[request_id] = time.monotonic()
         host, port = _split_address(self._address)
         result: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -518,17 +625,22 @@ class _SchedulerSide:
         def release(_: grpc.Future) -> None:
             future = self.client.release_async(self.engine_id, receive.request_id, receive.transfer_id, reason=reason)
             # If the sidecar did not know it (or is gone), its request call failed and was reported.
-            future.add_done_callback(lambda f: f.exception())
+            future.add_done_callback(_ignore)
 
         # After the request call, so the release cannot overtake it on the way to the sidecar.
         receive.future.add_done_callback(release)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SidecarConnectorMetadata:
+        if self._arrived:
+            # Consumer requests that arrived but were not scheduled in this step wait for blocks.
+            for request in self._arrived.values():
+                self._keep_alive(request)
+            self._arrived = {}
         meta = SidecarConnectorMetadata()
         if self._new_receives:
             meta.recv_started, self._new_receives = self._new_receives, {}
         if self._new_sends:
-            meta.send_started, self._new_sends = self._new_sends, []
+            meta.send_started, self._new_sends = self._new_sends, {}
         failures = self._failures
         while failures:
             kind, request_id, reason = failures.popleft()
@@ -628,7 +740,11 @@ class _WorkerSide:
     """One rank's registration and completions; request state is touched only by vLLM's worker
     thread (see module doc)."""
 
-    EARLY_EVENT_TTL = 120.0
+    # A receive's outcome can overtake the step that announces the receive (same step, or the
+    # next): kept this long. A send is announced at the producer's *next* step, which may be much
+    # later on an idle engine, so early send outcomes are kept until announced (bounded count).
+    EARLY_RECV_TTL = 120.0
+    MAX_EARLY_SENDS = 100_000
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ShimConfig) -> None:
         transfer = vllm_config.kv_transfer_config
@@ -658,13 +774,15 @@ class _WorkerSide:
         # Request state (vLLM worker thread only).
         self._receives: dict[str, _PendingReceive] = {}
         self._sends: set[str] = set()
-        self._early: collections.OrderedDict[str, tuple[engine_pb2.Event, float]] = collections.OrderedDict()
+        self._early_recv: collections.OrderedDict[str, tuple[engine_pb2.Event, float]] = collections.OrderedDict()
+        self._early_send: dict[str, engine_pb2.Event] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._step_invalid: set[int] = set()
         self._next_housekeeping = 0.0
+        self._last_loss = 0.0  # time.monotonic() of the last lost event stream
         # Terminal outcomes per request (bounded), for tests, benchmarks and debugging.
         self.transfers: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
 
@@ -872,20 +990,22 @@ class _WorkerSide:
         if meta.recv_started or meta.send_started:
             self._drain()  # so that an already-arrived event resolves the request right away
         now = time.monotonic()
-        for request_id, blocks in meta.recv_started.items():
+        # A request call made before this worker's event stream was last lost went to a sidecar
+        # registration that no longer exists: no outcome will come for it.
+        for request_id, (issued, blocks) in meta.recv_started.items():
             self._receives[request_id] = _PendingReceive(blocks, now)
-            early = self._early.pop(request_id, None)
+            early = self._early_recv.pop(request_id, None)
             if early is not None:
                 self._on_event(early[0])
-            elif not self.connected:
-                self._fail_receive(request_id, "the sidecar's event stream is down")
-        for request_id in meta.send_started:
+            elif not self.connected or issued < self._last_loss:
+                self._fail_receive(request_id, "the sidecar's event stream was lost")
+        for request_id, issued in meta.send_started.items():
             self._sends.add(request_id)
-            early = self._early.pop(request_id, None)
-            if early is not None:
-                self._on_event(early[0])
-            elif not self.connected:
-                self._finish_send(request_id, "the sidecar's event stream is down")
+            sent = self._early_send.pop(request_id, None)
+            if sent is not None:
+                self._on_event(sent)
+            elif not self.connected or issued < self._last_loss:
+                self._finish_send(request_id, "the sidecar's event stream was lost")
         for request_id, reason in meta.recv_failed.items():
             self._fail_receive(request_id, reason)
         for request_id, reason in meta.send_abandoned.items():
@@ -898,7 +1018,7 @@ class _WorkerSide:
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._drain()
-        if self._receives or self._early:
+        if self._receives or self._early_recv:
             now = time.monotonic()
             if now >= self._next_housekeeping:
                 self._housekeeping(now)
@@ -941,7 +1061,9 @@ class _WorkerSide:
         kind = event.kind
         if kind in (engine_pb2.FINISHED_RECEIVING, engine_pb2.LOAD_FAILED):
             if request_id not in self._receives:
-                self._keep_early(event)
+                self._early_recv[request_id] = (event, time.monotonic())
+                if len(self._early_recv) > 10_000:
+                    self._early_recv.popitem(last=False)
             elif kind == engine_pb2.FINISHED_RECEIVING:
                 del self._receives[request_id]
                 self._done_recving.add(request_id)
@@ -950,17 +1072,13 @@ class _WorkerSide:
                 self._fail_receive(request_id, event.reason, list(event.failed_block_ids), event)
         elif kind in (engine_pb2.FINISHED_SENDING, engine_pb2.LEASE_EXPIRED):
             if request_id not in self._sends:
-                self._keep_early(event)
+                self._early_send[request_id] = event
+                if len(self._early_send) > self.MAX_EARLY_SENDS:
+                    self._early_send.pop(next(iter(self._early_send)))
             else:
                 self._sends.discard(request_id)
                 self._done_sending.add(request_id)
                 self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
-
-    def _keep_early(self, event: engine_pb2.Event) -> None:
-        # An event may overtake the step that tells this worker about its request; kept briefly.
-        self._early[event.request_id] = (event, time.monotonic())
-        if len(self._early) > 10_000:
-            self._early.popitem(last=False)
 
     def _fail_receive(
         self,
@@ -989,6 +1107,7 @@ class _WorkerSide:
     def _stream_lost(self, reason: str) -> None:
         # The sidecar dropped this worker (or died): nothing it was doing for us continues, so every
         # receive fails and every held block is free.
+        self._last_loss = time.monotonic()
         for request_id in list(self._receives):
             self._fail_receive(request_id, f"event stream closed: {reason}")
         for request_id in list(self._sends):
@@ -1001,11 +1120,11 @@ class _WorkerSide:
             if now - pending.started > limit:
                 logger.error("SidecarConnector: no outcome for %s after %.0fs", request_id, limit)
                 self._fail_receive(request_id, f"no outcome from the sidecar within {limit:g}s")
-        while self._early:
-            request_id, (_, seen) = next(iter(self._early.items()))
-            if now - seen < self.EARLY_EVENT_TTL:
+        while self._early_recv:
+            request_id, (_, seen) = next(iter(self._early_recv.items()))
+            if now - seen < self.EARLY_RECV_TTL:
                 break
-            del self._early[request_id]
+            del self._early_recv[request_id]
 
     def _record(self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = "") -> None:
         self.transfers[request_id] = {
@@ -1225,6 +1344,9 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().on_new_request(request)
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler_side is not None and self.scheduler_side.has_pending_push_work()

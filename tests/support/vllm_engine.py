@@ -13,7 +13,11 @@ stdin, one JSON object per line (``id`` is echoed in the reply):
   engine's internal request id, what the shim recorded about its transfer and how many tokens
   the scheduler was told to load from outside;
 - ``{"op": "corrupt", "id", "blocks"}``: zero these KV blocks in every layer (negative control);
-- ``{"op": "abort", "id", "request_id"}``; ``{"op": "status", "id"}``; ``{"op": "exit"}``.
+- ``{"op": "abort", "id", "generate_id"}``: abort the request of that generate command, whose
+  reply then comes at once with ``"aborted": true``;
+- ``{"op": "transfer", "id", "request_id"}``: what the shim recorded about that request's transfer;
+- ``{"op": "status", "id"}``: the shim's connection state, the requests vLLM still holds and its
+  free KV blocks; ``{"op": "exit"}``.
 stdout: ``{"ready": {...}}`` once the engine is up, then one reply per command.
 """
 
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     parser.add_argument("--kv-bytes", type=int, default=64 << 20)
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
     args = parser.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed_executor_backend="uni",
         seed=0,
         kv_cache_memory_bytes=args.kv_bytes,
+        max_num_seqs=args.max_num_seqs,
         kv_transfer_config=kv_transfer_config,
     )
     # vLLM internals reached through the in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0).
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             "sidecar_id": side.sidecar_id,
             "peer_address": side.peer_address,
             "shm_paths": [str(path) for path in side._shm_paths],
+            "vllm_requests": len(scheduler.requests),
+            "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
         }
 
     _emit({"ready": {"pid": os.getpid(), "startup_s": time.monotonic() - started, **shim_status()}})
@@ -153,8 +161,20 @@ def main(argv: list[str] | None = None) -> int:
                         layer[blocks] = 0
                     _emit({"reply": op, "id": ident, "ok": True})
                 elif op == "abort":
-                    engine.abort_request([command["request_id"]], internal=True)
+                    target = next(
+                        key for key, (_, generate_id) in pending.items() if generate_id == command["generate_id"]
+                    )
+                    internal, generate_id = pending.pop(target)
+                    engine.abort_request([internal], internal=True)
+                    _emit({"reply": "generate", "id": generate_id, "ok": True, "aborted": True, "request_id": internal})
                     _emit({"reply": op, "id": ident, "ok": True})
+                elif op == "transfer":
+                    if worker_connector is not None:
+                        worker_connector.worker_side.poll()
+                    record = (
+                        worker_connector.worker_side.transfers.get(command["request_id"]) if worker_connector else None
+                    )
+                    _emit({"reply": op, "id": ident, "ok": True, "transfer": record})
                 elif op == "status":
                     _emit({"reply": op, "id": ident, "ok": True, **shim_status()})
                 else:
@@ -216,10 +236,19 @@ class VllmEngineProcess:
         role: str = "kv_both",
         transfer_mode: str = "pull",
         extra: dict[str, Any] | None = None,
+        max_num_seqs: int = 8,
     ) -> None:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
-        command = [sys.executable, "-m", "tests.support.vllm_engine", "--model", str(model)]
+        command = [
+            sys.executable,
+            "-m",
+            "tests.support.vllm_engine",
+            "--model",
+            str(model),
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
         if sidecar is not None:
             command += [
                 "--sidecar-socket",
