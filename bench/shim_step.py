@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if daemon is not None:
             daemon.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
