@@ -60,6 +60,7 @@ import collections
 import concurrent.futures
 import os
 import queue
+import tempfile
 import threading
 import time
 import uuid
@@ -139,7 +140,7 @@ def _default_socket() -> str:
     explicit = os.environ.get("KVSIDECAR_ENGINE_SOCKET")
     if explicit:
         return explicit
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp"
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return str(Path(base) / "kvsidecar" / "engine.sock")
 
 
@@ -355,7 +356,7 @@ class _SchedulerSide:
             return  # accepted (or refused with a LOAD_FAILED event, which the workers get)
         code, text = _rpc_error(exc)
         reason = f"{what} failed: {text}"
-        if code in _REFUSED:
+        if code is None or code in _REFUSED:  # refused, or never sent (code None)
             self._failures.append(("recv", request_id, reason))
             return
         # Unknown whether the sidecar started fetching into our blocks: ask it to stop. If it knows
@@ -922,6 +923,8 @@ class _WorkerSide:
     def _connect(self, timeout: float) -> None:
         registration = self._registration
         assert registration is not None
+        if not Path(self.config.sidecar_socket).exists():
+            raise ConnectionError(f"no sidecar socket at {self.config.sidecar_socket}")  # fail fast, retry later
         self.client.wait_ready(timeout)
         response = self.client.register_worker(registration)
         with self._watcher_lock:
@@ -972,15 +975,17 @@ class _WorkerSide:
                 continue
             if self._stopping.is_set():
                 return
+            # Cleared before connecting: a stream that closes right after it opened sets it again.
+            self._need_connect.clear()
             try:
                 self._connect(self.config.register_timeout)
             except Exception as exc:
                 logger.debug("SidecarConnector: registering again failed: %s", exc)
+                self._need_connect.set()
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.2
-            self._need_connect.clear()
 
     # per step (vLLM worker thread) --------------------------------------------------------------
 

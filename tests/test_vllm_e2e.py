@@ -130,6 +130,8 @@ def start_engines(cluster_dir: Path, model: Path, token: str, a: SidecarProcess,
                 role=role,
                 # D runs one sequence at a time, so a request can be made to wait in its queue.
                 max_num_seqs=1 if name == "decode" else 8,
+                # The same-sidecar decoder shares its KV through the fallback export (torch's shm).
+                extra={"memory_export": "torch_shm"} if name == "local_decode" else None,
             )
             engines.append(engine)
             made[name] = engine
@@ -406,7 +408,7 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
             proxy.kill()
             proxy.wait(10)
         for server in servers:
-            server.kill()
+            server.stop()
 
 
 def _healthy(url: str) -> bool:

@@ -485,12 +485,23 @@ class VllmServer:
         except OSError:
             return ""
 
-    def kill(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (vLLM shuts down its EngineCore and removes its shared-memory queues), then
+        SIGKILL to the whole group if it is not gone within ``timeout``."""
         if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
             try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
                 pass
+        self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # also the EngineCore child, if it outlived the API
+        except ProcessLookupError:
+            pass
+        if self.process.poll() is None:
             self.process.wait(10)
         if self.engine_id:
             remove_engine_shm_files(self.engine_id)
