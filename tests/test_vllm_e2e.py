@@ -79,10 +79,17 @@ class Cluster:
     decode: VllmEngineProcess
     local_decode: VllmEngineProcess
     engine_ids: list[str] = field(default_factory=list)
+    references: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reference(self, prompt: str) -> list[int]:
-        tokens: list[int] = self.baseline.generate(prompt, MAX_TOKENS)["token_ids"]
+        tokens: list[int] = self.baseline_answer(prompt)["token_ids"]
         return tokens
+
+    def baseline_answer(self, prompt: str) -> dict[str, Any]:
+        """One vLLM instance without a connector: the output every P/D combination must match."""
+        if prompt not in self.references:
+            self.references[prompt] = self.baseline.generate(prompt, MAX_TOKENS)
+        return self.references[prompt]
 
     def prefill_leg(self, prompt: str, mode: str, transfer_id: str | None = None) -> dict[str, Any]:
         answer = self.prefill.generate(
@@ -165,7 +172,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
     finally:
         if cluster is not None:
-            for engine in (cluster.baseline, cluster.prefill, cluster.decode, cluster.local_decode):
+            engines = (cluster.baseline, cluster.prefill, cluster.decode, cluster.local_decode)
+            for engine in engines:
+                engine.request_exit()  # all shut down at once
+            for engine in engines:
                 engine.stop(timeout=20.0)
         for sidecar in (a, b):
             sidecar.kill()
@@ -403,12 +413,35 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
                 )
                 got = answer["choices"][0]
                 assert got["token_ids"] == cluster.reference(prompt), f"{mode} concurrent={concurrent} {length}"
+            # A streamed answer passes through the proxy chunk by chunk.
+            prompt = fresh_prompt(180)
+            text = _stream_text(
+                f"{url}/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+            )
+            assert text == cluster.baseline_answer(prompt)["text"], f"{mode} concurrent={concurrent} streamed"
     finally:
         for proxy in proxies:
             proxy.kill()
             proxy.wait(10)
         for server in servers:
             server.stop()
+
+
+def _stream_text(url: str, body: dict[str, Any], timeout: float = 120.0) -> str:
+    """POST with ``stream: true`` and join the text of the server-sent events."""
+    request = urllib.request.Request(
+        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
+    pieces = []
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data:") :])
+            pieces.append(event["choices"][0]["text"] if event.get("choices") else "")
+    return "".join(pieces)
 
 
 def _healthy(url: str) -> bool:
@@ -485,9 +518,11 @@ def test_consumer_sidecar_restart_fails_inflight_request_to_recompute(cluster: C
 def test_prefill_sidecar_killed_before_decode_loads(cluster: Cluster) -> None:
     """P's sidecar dies after P answered and before D loads: D's request still completes with the
     right output (vLLM recomputes) within a bound; after a restart the P shim registers again and
-    transfers work."""
+    transfers work. P's blocks, held for D when the sidecar died, go back to P's vLLM."""
     prompt = fresh_prompt(220)
     reference = cluster.reference(prompt)
+    cluster.prefill.generate(fresh_prompt(10), 1)  # a step, so P frees what earlier consumers read
+    free_before = _status(cluster.prefill)["free_blocks"]
     params = cluster.prefill_leg(prompt, "pull")
     cluster.a.kill()
     try:
@@ -498,6 +533,20 @@ def test_prefill_sidecar_killed_before_decode_loads(cluster: Cluster) -> None:
         assert answer["transfer"]["outcome"] == "load_failed", answer
         assert answer["num_cached_tokens"] == 0  # computed by D itself
         assert elapsed < 30.0, f"recompute took {elapsed:.1f}s"
+        cluster.prefill.generate(fresh_prompt(10), 1)  # P's next step learns the stream was lost
+        record = cluster.prefill.command("transfer", request_id=params["remote_request_id"])["transfer"]
+        assert record is not None and record["outcome"] == "send_abandoned", record
+        assert _status(cluster.prefill)["free_blocks"] == free_before
+        # A prefill that finishes while its sidecar is down is not held for a consumer: P answers
+        # (with no parameters, or ones whose transfer fails) and D computes the prompt itself.
+        prompt = fresh_prompt(140)
+        answer = cluster.prefill.generate(prompt, 1, {"do_remote_decode": True, "transfer_id": uuid.uuid4().hex})
+        params = answer["kv_transfer_params"]
+        decoded = cluster.decode.generate(prompt, MAX_TOKENS, decode_params(params) if params else None, timeout=90.0)
+        assert decoded["token_ids"] == cluster.reference(prompt)
+        assert decoded["num_cached_tokens"] == 0
+        cluster.prefill.generate(fresh_prompt(10), 1)
+        assert _status(cluster.prefill)["free_blocks"] == free_before
     finally:
         cluster.a.restart()
     _wait_registered(cluster.prefill, cluster.a)

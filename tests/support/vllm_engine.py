@@ -289,6 +289,7 @@ class VllmEngineProcess:
         self._next_id = 0
         self._lock = threading.Lock()
         self.ready: dict[str, Any] = {}
+        self._exit_requested = False
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -363,15 +364,24 @@ class VllmEngineProcess:
     def shm_paths(self) -> list[Path]:
         return [Path(path) for path in self.ready.get("shm_paths", [])]
 
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.process.poll() is None:
+    def request_exit(self) -> None:
+        """Ask the engine to shut down (without waiting)."""
+        if self.process.poll() is None and not self._exit_requested:
+            self._exit_requested = True
             try:
                 assert self.process.stdin is not None
                 self.process.stdin.write(b'{"op": "exit"}\n')
                 self.process.stdin.flush()
-                self.process.wait(timeout)
-            except (OSError, subprocess.TimeoutExpired):
+            except OSError:
                 pass
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down gracefully (bounded), then make sure the process group is gone."""
+        self.request_exit()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill()
 
     def kill(self) -> None:
