@@ -42,9 +42,13 @@ from sidecar.logs import get_logger, route_foreign_loggers
 log = get_logger("kvsidecar.transport")
 
 _LOCAL = "NIXL_INIT_AGENT"
-# After activity, keep polling without sleeping this long before backing off.
+# Poll cadence while something is expected: every ~50 us for 2 ms after activity (completions and
+# notifications follow within microseconds), every 200 us for 100 ms after it (a busy sidecar's
+# next request), then backing off to poll_interval_max_ms (a push that waits for a long prefill).
 _HOT_WINDOW_S = 0.002
 _MIN_DELAY_S = 0.00005
+_WARM_WINDOW_S = 0.1
+_WARM_DELAY_S = 0.0002
 # How long a post waits in place for a small transfer to complete.
 _POST_SPIN_S = 0.00005
 _NOTHING = object()  # "no command" marker in the owner loop
@@ -245,9 +249,12 @@ class NixlTransport:
                 except queue.Empty:
                     item = _NOTHING
             progressed = self._poll() if self._is_active() else False
+            now = time.monotonic()
             if worked or progressed:
-                last_activity = time.monotonic()
+                last_activity = now
                 delay = _MIN_DELAY_S
+            elif now - last_activity < _WARM_WINDOW_S:
+                delay = min(max(delay * 2, _MIN_DELAY_S), _WARM_DELAY_S)
             else:
                 delay = min(delay * 2, self._settings.poll_interval_max_ms / 1000.0)
 
