@@ -577,6 +577,13 @@ class _SchedulerSide:
             return False, None
         # Producer: keep the blocks for the consumer only after a normal finish.
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            transfer_id = str(params.get("transfer_id") or "")
+            if transfer_id and not self._down:
+                # A router that dispatched both legs at once has a consumer waiting for this
+                # prefill: ask the sidecar to release the transfer everywhere it exists.
+                self.client.release_async(
+                    self.engine_id, request_id, transfer_id, reason=f"prefill ended with {request.status.name}"
+                ).add_done_callback(_ignore)
             return False, None
         blocks = self._transfer_blocks(block_ids)
         if not any(blocks):
