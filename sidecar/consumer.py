@@ -24,6 +24,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 from sidecar.logs import get_logger
+from sidecar.peers import normalize_address
 from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
 from sidecar.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from sidecar.node import Node
 
 log = get_logger("kvsidecar.consumer")
+
+
+class ProducerLost(FailedPrecondition):
+    """The producer no longer holds a request's blocks."""
 
 RequestKey = tuple[str, str]  # (engine_id, request_id)
 
@@ -91,6 +96,13 @@ class ConsumerSide:
         # Requests whose producer said it no longer holds them; a later Pull fails at once instead
         # of reading blocks that may already hold another request's KV.
         self._lost: dict[RequestKey, str] = {}
+        # Until when (monotonic) a producer is known to hold a request: a heartbeat answered
+        # "known" and extended its lease. A READ only starts while this holds.
+        self._confirmed: dict[RequestKey, float] = {}
+        # Heartbeat period per producer (address, engine), a third of the extension it grants, so
+        # a producer with a shorter lease than ours is still heartbeated in time.
+        self._pace: dict[tuple[str, str], float] = {}
+        self._pace_changed = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -123,16 +135,25 @@ class ConsumerSide:
         key = (request.engine_id, request.request_id)
         if key in self._lost:
             return engine_pb2.KeepAliveResponse(producer_holds=False)
+        if key in self.requests:
+            return engine_pb2.KeepAliveResponse(producer_holds=True)  # its Pull/ExpectPush came first
         if key not in self.kept:
             node.check_capacity(len(self.kept))
-        self.kept[key] = KeptAlive(request.engine_id, request.request_id, request.transfer_id, request.remote)
+        kept = KeptAlive(request.engine_id, request.request_id, request.transfer_id, request.remote)
+        self.kept[key] = kept
         self._kept_deadlines.set(key, time.monotonic() + timeout)
+        address, engine_id = kept.remote.address, kept.remote.engine_id
+        if self._pace_key(address, engine_id) not in self._pace:
+            # We do not know how long this producer's leases are: heartbeat now rather than at our
+            # own pace, which may be too slow for it.
+            node.spawn(self._heartbeat(address, engine_id, [kept]), engines=[])
         return engine_pb2.KeepAliveResponse(producer_holds=True)
 
     def _on_keep_alive_expired(self, keys: list[RequestKey]) -> None:
         for key in keys:
             self.kept.pop(key, None)
             self._lost.pop(key, None)
+            self._confirmed.pop(key, None)
 
     def _end_keep_alive(self, key: RequestKey) -> str | None:
         """Stop keeping ``key`` alive; returns why it is lost, if the producer dropped it."""
@@ -206,6 +227,10 @@ class ConsumerSide:
         except (SidecarError, PlanError) as exc:
             self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
+        if not any(local):
+            # A full prefix hit: nothing will be written. The registration still lets the producer
+            # free its blocks as soon as it submits them.
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
         return engine_pb2.ExpectPushResponse(registered=True, matched=matched)
 
     def release(self, engine_id: str, request_id: str, reason: str) -> ConsumerRequest | None:
@@ -263,6 +288,11 @@ class ConsumerSide:
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         try:
+            if self._confirmed.get(pending.key, 0.0) <= time.monotonic():
+                # The producer frees its blocks when its lease ends; reading after that would copy
+                # whatever request now owns them. Confirm (and extend) the lease first. This call
+                # also reveals a restarted producer sidecar before its stale handshake is used.
+                await self._confirm_held(pending)
             view = await asyncio.wait_for(
                 node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
                 node.settings.peer_call_timeout_seconds,
@@ -284,6 +314,9 @@ class ConsumerSide:
             )
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
+            return
+        except ProducerLost as exc:
+            self._fail(pending, str(exc), reason_label="producer_lost")
             return
         except (SidecarError, PlanError) as exc:
             label = "incompatible" if isinstance(exc, (FailedPrecondition, PlanError)) else "handshake"
@@ -366,11 +399,28 @@ class ConsumerSide:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self._node.settings.heartbeat_interval)
+            period = min([self._node.settings.heartbeat_interval, *self._pace.values()])
+            try:
+                # A newly learned, faster producer pace cuts the current wait short.
+                await asyncio.wait_for(self._pace_changed.wait(), period)
+                self._pace_changed.clear()
+            except TimeoutError:
+                pass
             try:
                 await self.heartbeat_once()
             except Exception as exc:
                 log.exception("heartbeat_round_failed", error=str(exc))
+
+    def _pace_key(self, address: str, engine_id: str) -> tuple[str, str]:
+        return ("" if self._node.peers.is_self(address) else normalize_address(address), engine_id)
+
+    async def _confirm_held(self, pending: ConsumerRequest) -> None:
+        """Heartbeat one request now; raises ProducerLost if the producer no longer holds it."""
+        await self._heartbeat(pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True)
+        if self._confirmed.get(pending.key, 0.0) <= time.monotonic():
+            raise ProducerLost(
+                "the producer no longer holds the request (expired, released or restarted); not reading its blocks"
+            )
 
     async def heartbeat_once(self) -> None:
         """One heartbeat per producer engine for every request that still needs its blocks."""
@@ -386,7 +436,9 @@ class ConsumerSide:
                 *(self._heartbeat(address, engine, group) for (address, engine), group in groups.items())
             )
 
-    async def _heartbeat(self, address: str, engine_id: str, group: list[ConsumerRequest | KeptAlive]) -> None:
+    async def _heartbeat(
+        self, address: str, engine_id: str, group: list[ConsumerRequest | KeptAlive], raise_errors: bool = False
+    ) -> None:
         node = self._node
         request = peer_pb2.HeartbeatRequest(
             caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[item.heartbeat_key() for item in group]
@@ -394,17 +446,28 @@ class ConsumerSide:
         try:
             response = await node.peers.call(address, "Heartbeat", request)
         except SidecarError as exc:
+            if raise_errors:
+                raise
             failures = node.peers.failures(address)
             log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
             if failures >= node.settings.heartbeat_failures_allowed:
                 self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
             return
+        now = time.monotonic()
+        if response.lease_seconds > 0:
+            pace_key, pace = self._pace_key(address, engine_id), max(0.05, response.lease_seconds / 3.0)
+            if pace < self._pace.get(pace_key, float("inf")):
+                self._pace_changed.set()
+            self._pace[pace_key] = pace
         unknown = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
         lost = []
         for item in group:
             key = item.heartbeat_key()
             if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown:
                 lost.append(item)
+            else:
+                # Known, and its lease extended to now + lease_seconds: half of that is a safe margin.
+                self._confirmed[(item.engine_id, item.request_id)] = now + response.lease_seconds / 2.0
         self._producer_lost(
             lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"
         )
@@ -493,6 +556,7 @@ class ConsumerSide:
     def _finish(self, pending: ConsumerRequest, event: engine_pb2.Event) -> None:
         if self.requests.pop(pending.key, None) is None:
             return
+        self._confirmed.pop(pending.key, None)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
             self._node.transport.expect_notifications(-1)

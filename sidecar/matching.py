@@ -87,13 +87,20 @@ class PushMatcher:
     def submissions(self) -> list[Submission]:
         return list(self._submissions.values())
 
-    def add_submission(self, sub: Submission) -> Registration | None:
-        """Offer a producer's blocks; returns the registration they match (removed), or stores them."""
+    def registration_matching(self, sub: Submission) -> Registration | None:
+        """The stored registration ``sub`` would match, left in place."""
         for reg_key in self._candidates(self._reg_index, sub.engine_id, self._sub_tokens(sub)):
             reg = self._registrations[reg_key]
             if _matches(sub, reg):
-                self.remove_registration(reg.key)
                 return reg
+        return None
+
+    def add_submission(self, sub: Submission) -> Registration | None:
+        """Offer a producer's blocks; returns the registration they match (removed), or stores them."""
+        reg = self.registration_matching(sub)
+        if reg is not None:
+            self.remove_registration(reg.key)
+            return reg
         key = (sub.engine_id, sub.request_id)
         self.remove_submission(*key)
         self._submissions[key] = sub

@@ -386,7 +386,7 @@ class Node:
         reason = request.reason or "released by the engine"
         consumer = self.consumer.release(request.engine_id, request.request_id, reason)
         producer = self.producer.release(request.engine_id, request.request_id, request.transfer_id, reason)
-        return engine_pb2.ReleaseResponse(found=bool(consumer or producer), peer_notified=consumer is not None)
+        return engine_pb2.ReleaseResponse(found=consumer is not None or producer, peer_notified=consumer is not None)
 
     async def query_cache(self, request: engine_pb2.QueryCacheRequest) -> engine_pb2.QueryCacheResponse:
         validation.identifier(request.engine_id, "engine_id")

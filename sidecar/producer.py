@@ -148,16 +148,29 @@ class ProducerSide:
         node.cache_hold(pending, request.conversation_id)
         return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl)
 
-    def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> ProducerRequest | None:
-        """The local engine aborts or frees a request it submitted."""
+    def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> bool:
+        """The local engine aborts or frees a request. Returns False if nothing was known of it."""
         pending = self._find(engine_id, request_id, transfer_id)
         if pending is None:
-            return None
+            # A consumer may already wait for this request's push (both legs dispatched at once, and
+            # the prefill failed): withdraw its registration and tell it now, not at its watchdog.
+            registration = self.matcher.registration_matching(Submission(engine_id, request_id, transfer_id))
+            if registration is None:
+                return False
+            self.matcher.remove_registration(registration.key)
+            self._registration_deadlines.cancel(registration.key)
+            self._update_gauges()
+            request, _ = registration.payload
+            self._node.spawn(
+                self._send_transfer_failed(request.caller.address, request, f"the producer released it: {reason}"),
+                engines=[],
+            )
+            return True
         if pending.writing:
             pending.lease_ended = True  # free once the WRITEs are terminal
-            return pending
+            return True
         self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"released: {reason}")
-        return pending
+        return True
 
     # --- PeerService --------------------------------------------------------------------------
 
@@ -294,6 +307,12 @@ class ProducerSide:
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(pending.block_ids, blocks)
+            if not any(blocks):
+                # The consumer had every block already (a full prefix hit): nothing to write.
+                self._pushing.pop(registration.key, None)
+                pending.writing = False
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
+                return
             not_after = self.leases.deadline(pending.key)
             outcome = await node.dataplane.run(
                 "WRITE",

@@ -275,3 +275,42 @@ def test_idle_sidecar_with_registered_engines_uses_almost_no_cpu(sidecars, engin
     used = (cpu_seconds(side.process.pid) - before) / (time.monotonic() - started)
     print(f"idle sidecar CPU: {used * 100:.2f}% of one core")
     assert used < 0.02, f"idle sidecar used {used * 100:.1f}% of a core"
+
+
+def test_a_pull_after_the_producer_freed_its_blocks_reads_nothing(sidecars, engines) -> None:
+    """Without a keep-alive, P's lease ran out and P may have reused the blocks: D must not read them."""
+    p_side = sidecars("p", args=["--lease-seconds", "1"])
+    d_side = sidecars("d")
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    assert producer.command("fill", blocks=[1, 2], seed=3)["ok"]
+    assert producer.command("submit", request_id="stale", blocks=[[1, 2]])["ok"]
+    assert producer.wait_event("stale", 10)[0]["event"] == "LEASE_EXPIRED"
+    events = pull_and_wait(producer, consumer, "stale-again", [1, 2], [5, 6])  # a fresh submit still works
+    assert events[0]["event"] == "FINISHED_RECEIVING"
+    reply = consumer.command(
+        "pull",
+        request_id="stale-d",
+        blocks=[[7, 8]],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "stale", "blocks": [[1, 2]]},
+    )
+    assert reply["ok"]
+    event = consumer.wait_event("stale-d", 10)[0]
+    assert event["event"] == "LOAD_FAILED" and "no longer holds" in event["reason"]
+    assert not kv(consumer.buffers[0], 2, 64, 4096)[:, [7, 8]].any()
+
+
+def test_keep_alive_follows_the_producers_shorter_lease(sidecars, engines) -> None:
+    # P leases for 1.5 s; D's own heartbeat period is the default 5 s (its 30 s lease / 6).
+    p_side = sidecars("p", args=["--lease-seconds", "1.5"])
+    d_side = sidecars("d")
+    producer = engines(p_side, "P", "producer")
+    engines(d_side, "D", "consumer")
+    assert producer.command("submit", request_id="short", blocks=[[1]])["ok"]
+    from engine_shim.client import SidecarClient, remote
+
+    with SidecarClient(d_side.socket) as client:
+        assert client.keep_alive("D", "short-d", remote(producer.peer_address, "P", "short")).producer_holds
+        time.sleep(4.0)
+        assert client.keep_alive("D", "short-d", remote(producer.peer_address, "P", "short")).producer_holds
+    assert producer.events_for("short") == [], "P's lease expired: D heartbeated at its own, slower pace"

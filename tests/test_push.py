@@ -263,3 +263,26 @@ def test_heterogeneous_tp_moves_each_ranks_heads(sidecars, engines, mode: str, p
         return np.concatenate(per_rank, axis=2)  # [layer, block, all heads' bytes]
 
     assert np.array_equal(heads(producer, p_tp, p_blocks), heads(consumer, d_tp, d_blocks))
+
+
+def test_a_producer_release_fails_the_waiting_consumer_at_once(sidecars, engines) -> None:
+    """Both legs dispatched at once, and the prefill fails: D learns it now, not at its watchdog."""
+    producer, consumer, _, _ = engine_pair(sidecars, engines)
+    expect(consumer, producer, "cmpl-x-0-aaaaaaaa", [1, 2])
+    started = time.monotonic()
+    assert producer.command("release", request_id="cmpl-x-0-bbbbbbbb", reason="prefill failed")["ok"]
+    event = consumer.wait_event("cmpl-x-0-aaaaaaaa", 10)[0]
+    assert event["event"] == "LOAD_FAILED" and "released" in event["reason"]
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_full_prefix_hit_on_d_in_push_mode_frees_both_sides_without_writing(sidecars, engines) -> None:
+    producer, consumer, _, _ = engine_pair(sidecars, engines, p_args=["--lease-seconds", "60"])
+    assert producer.command("fill", blocks=[1, 2], seed=2)["ok"]
+    reply = expect(consumer, producer, "hit-d", [], transfer_id="t-hit")
+    assert reply["registered"]
+    assert consumer.wait_event("hit-d", 5)[0]["event"] == "FINISHED_RECEIVING"
+    assert producer.command("submit", request_id="hit-p", blocks=[[1, 2]], transfer_id="t-hit", mode=PUSH)["ok"]
+    event = producer.wait_event("hit-p", 5)[0]
+    assert event["event"] == "FINISHED_SENDING"
+    assert not kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN).any()
