@@ -7,6 +7,7 @@ has a bound.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -14,12 +15,34 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (even by SIGKILL), so a demo or a
+    test that is killed does not leave daemons behind (Linux prctl PR_SET_PDEATHSIG). The signal
+    follows the thread that started the child, so start daemons from a long-lived thread."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def kill_group(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGKILL a child started in its own session together with everything it started, and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -64,7 +87,12 @@ class DaemonProcess:
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.env), start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(self.env),
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
             )
         self._wait_ready(timeout)
         return self
@@ -113,12 +141,8 @@ class DaemonProcess:
             raise
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(10)
+        if self.process is not None:
+            kill_group(self.process)
 
     def restart(self, timeout: float = 30.0) -> DaemonProcess:
         """Kill and start again on the same socket and port (a restarted sidecar)."""

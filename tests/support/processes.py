@@ -7,9 +7,7 @@ bound. Sockets live in per-test temporary directories.
 from __future__ import annotations
 
 import json
-import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sidecar.launcher import REPO_ROOT, DaemonProcess, child_env
+from sidecar.launcher import REPO_ROOT, DaemonProcess, child_env, kill_group
 
 REPO = REPO_ROOT
 python_env = child_env
@@ -187,12 +185,7 @@ class EngineProcess:
         self._remove_buffers()
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(10)
+        kill_group(self.process)
         self._remove_buffers()
 
     def _remove_buffers(self) -> None:

@@ -37,6 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from sidecar.launcher import kill_group
 from tests.support.processes import python_env
 
 
@@ -385,12 +386,7 @@ class VllmEngineProcess:
         self.kill()
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(10)
+        kill_group(self.process)
         remove_shm_files(self.process.pid)
 
 
@@ -507,11 +503,6 @@ class VllmServer:
         self.kill()
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # also the EngineCore child, if it outlived the API
-        except ProcessLookupError:
-            pass
-        if self.process.poll() is None:
-            self.process.wait(10)
+        kill_group(self.process)  # also the EngineCore child, if it outlived the API
         if self.engine_id:
             remove_engine_shm_files(self.engine_id)
