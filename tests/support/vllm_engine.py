@@ -272,6 +272,7 @@ class VllmEngineProcess:
                 "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_LOGGING_LEVEL": "WARNING",
+                **private_tmp(workdir),
             }
         )
         log = self.log_path.open("ab")
@@ -390,6 +391,14 @@ class VllmEngineProcess:
         remove_shm_files(self.process.pid)
 
 
+def private_tmp(workdir: Path) -> dict[str, str]:
+    """TMPDIR inside the test's work directory: vLLM puts its IPC sockets and ``vllm_dist_*``
+    directories in the temp dir, and they go when the work directory is removed."""
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmp)}
+
+
 def remove_shm_files(pid: int) -> list[Path]:
     """Remove the KV files of the shim in process ``pid`` (kvsvllm-<engine>-<rank>-<pid>-<random>),
     left behind when the process was killed; returns what was removed."""
@@ -462,6 +471,7 @@ class VllmServer:
                 "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
                 "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",
+                **private_tmp(workdir),
             }
         )
         log = self.log_path.open("ab")
