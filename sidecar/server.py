@@ -56,6 +56,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: SidecarMetrics) -> None:
         self._metrics = metrics
+        self._counters: dict[tuple[str, str, grpc.StatusCode], Any] = {}
 
     async def intercept_service(
         self,
@@ -82,63 +83,57 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
     def _wrap_unary(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
-        metrics = self._metrics
         short = service.rsplit(".", 1)[-1]
+        duration = self._metrics.rpc_duration.labels(service=short, method=method)
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
-            code = grpc.StatusCode.OK
-            with structlog.contextvars.bound_contextvars(rpc=f"{short}/{method}"):
-                try:
+            try:
+                async with self._handled(short, method, context):
                     _reject_undecodable(request)
                     return await behavior(request, context)
-                except SidecarError as exc:
-                    code = exc.code
-                    log.info("rpc_rejected", code=code.name, error=str(exc))
-                    await context.abort(code, str(exc))
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    code = grpc.StatusCode.INTERNAL
-                    log.exception("rpc_failed", error=repr(exc))
-                    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-                finally:
-                    metrics.rpc_requests.labels(service=short, method=method, code=code.name).inc()
-                    metrics.rpc_duration.labels(service=short, method=method).observe(time.perf_counter() - started)
+            finally:
+                duration.observe(time.perf_counter() - started)
 
         return wrapped
 
     def _wrap_stream(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
-        metrics = self._metrics
         short = service.rsplit(".", 1)[-1]
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            code = grpc.StatusCode.OK
-            with structlog.contextvars.bound_contextvars(rpc=f"{short}/{method}"):
-                try:
-                    _reject_undecodable(request)
-                    async for item in behavior(request, context):
-                        yield item
-                except SidecarError as exc:
-                    code = exc.code
-                    log.info("rpc_rejected", code=code.name, error=str(exc))
-                    await context.abort(code, str(exc))
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    code = grpc.StatusCode.INTERNAL
-                    log.exception("rpc_failed", error=repr(exc))
-                    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-                finally:
-                    metrics.rpc_requests.labels(service=short, method=method, code=code.name).inc()
+            async with self._handled(short, method, context):
+                _reject_undecodable(request)
+                async for item in behavior(request, context):
+                    yield item
 
         return wrapped
+
+    @contextlib.asynccontextmanager
+    async def _handled(self, service: str, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Bind the call's logging context, count it, and turn exceptions into statuses."""
+        code = grpc.StatusCode.OK
+        with structlog.contextvars.bound_contextvars(rpc=f"{service}/{method}"):
+            try:
+                yield
+            except SidecarError as exc:
+                code = exc.code
+                log.info("rpc_rejected", code=code.name, error=str(exc))
+                await context.abort(code, str(exc))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("rpc_failed", error=repr(exc))
+                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                counter = self._counters.get((service, method, code))
+                if counter is None:
+                    counter = self._metrics.rpc_requests.labels(service=service, method=method, code=code.name)
+                    self._counters[(service, method, code)] = counter
+                counter.inc()
 
 
 class _Undecodable:
