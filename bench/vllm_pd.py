@@ -48,6 +48,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
@@ -123,6 +124,17 @@ CONFIGS: dict[str, Config] = {
             concurrent_label="kvsidecar push, both legs dispatched at once",
         ),
         Config("kvsidecar-pull", "kvsidecar pull", "kvsidecar", "sidecar", "pull"),
+        Config("nixl-pull-fixed", "vLLM NixlConnector (pull)", "with CPU fixes", "NixlConnector", "pull", True),
+        Config(
+            "nixl-push-fixed",
+            "vLLM NixlPushConnector",
+            "with CPU fixes",
+            "NixlPushConnector",
+            "push",
+            True,
+            concurrent_key="nixl-push-fixed-concurrent",
+            concurrent_label="vLLM NixlPushConnector, both legs dispatched at once",
+        ),
         Config(
             "kvsidecar-push-grpc-spin",
             "kvsidecar push, engines with one persistent gRPC spin thread",
@@ -141,17 +153,6 @@ CONFIGS: dict[str, Config] = {
         ),
         Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
         Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
-        Config("nixl-pull-fixed", "vLLM NixlConnector (pull)", "with CPU fixes", "NixlConnector", "pull", True),
-        Config(
-            "nixl-push-fixed",
-            "vLLM NixlPushConnector",
-            "with CPU fixes",
-            "NixlPushConnector",
-            "push",
-            True,
-            concurrent_key="nixl-push-fixed-concurrent",
-            concurrent_label="vLLM NixlPushConnector, both legs dispatched at once",
-        ),
     )
 }
 # The ratios kvsidecar / vLLM are taken against these rows (same prompt size).
@@ -219,10 +220,22 @@ def remove_shim_files(engine_ids: list[str]) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free loopback port *below* the ephemeral range: a port taken from the ephemeral range can
+    be handed to another socket (vLLM opens many) before the server that was told to use it binds
+    it, which killed vLLM's NIXL handshake listener in a trial run."""
+    low, high = 20000, 32000
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, ephemeral_low)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 class Server:
@@ -400,7 +413,7 @@ class Client:
     def __init__(self, session: aiohttp.ClientSession, max_tokens: int, timeout: float) -> None:
         self.session = session
         self.max_tokens = max_tokens
-        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10.0)
+        self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=30.0)
 
     def _body(self, prompt: str, max_tokens: int, params: dict[str, Any] | None, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -1026,7 +1039,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="prompt sizes in tokens (512 2048 8192)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=None, help="subset, in this order")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens D generates (checked against a plain run)")
-    parser.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
+    parser.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE of each server (GiB)")
     parser.add_argument("--no-concurrent", action="store_true", help="skip the concurrent-dispatch push rows")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="bound on one HTTP leg (s)")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="bound on a server's start (s)")
