@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=30.0, gt=0.0, le=86400.0)
     # Consumer heartbeat period; 0 means lease_seconds / 6.
     heartbeat_interval_seconds: float = Field(default=0.0, ge=0.0, le=3600.0)
+    # A producer may be asked about a request before its own SubmitBlocks reached it; "unknown"
+    # counts as "lost" after this long (or at once if the producer had confirmed it before).
+    producer_unknown_grace_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
     # Consecutive failed heartbeats after which a consumer gives up on a peer's requests.
     heartbeat_failures_allowed: int = Field(default=2, ge=1, le=100)
     # Consumer, push: a registered push that has not arrived by then fails (vLLM recomputes).

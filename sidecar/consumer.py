@@ -99,6 +99,8 @@ class ConsumerSide:
         # Until when (monotonic) a producer is known to hold a request: a heartbeat answered
         # "known" and extended its lease. A READ only starts while this holds.
         self._confirmed: dict[RequestKey, float] = {}
+        # When a producer first answered "unknown" for a request it never confirmed.
+        self._first_unknown: dict[RequestKey, float] = {}
         # Heartbeat period per producer (address, engine), a third of the extension it grants, so
         # a producer with a shorter lease than ours is still heartbeated in time.
         self._pace: dict[tuple[str, str], float] = {}
@@ -154,6 +156,7 @@ class ConsumerSide:
             self.kept.pop(key, None)
             self._lost.pop(key, None)
             self._confirmed.pop(key, None)
+            self._first_unknown.pop(key, None)
 
     def _end_keep_alive(self, key: RequestKey) -> str | None:
         """Stop keeping ``key`` alive; returns why it is lost, if the producer dropped it."""
@@ -415,12 +418,33 @@ class ConsumerSide:
         return ("" if self._node.peers.is_self(address) else normalize_address(address), engine_id)
 
     async def _confirm_held(self, pending: ConsumerRequest) -> None:
-        """Heartbeat one request now; raises ProducerLost if the producer no longer holds it."""
-        await self._heartbeat(pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True)
-        if self._confirmed.get(pending.key, 0.0) <= time.monotonic():
-            raise ProducerLost(
-                "the producer no longer holds the request (expired, released or restarted); not reading its blocks"
+        """Heartbeat one request until its producer confirms it holds it; raises ProducerLost if
+        the producer dropped it, or never knew it within the grace period."""
+        delay = 0.002
+        while True:
+            unknown = await self._heartbeat(
+                pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True, judge=False
             )
+            if not unknown:
+                return
+            if self._is_lost(pending.key, time.monotonic()):
+                raise ProducerLost(
+                    "the producer no longer holds the request (expired, released or restarted); not reading its blocks"
+                )
+            await asyncio.sleep(delay)  # its SubmitBlocks may still be on the way: ask again shortly
+            delay = min(delay * 2, 0.1)
+
+    def _is_lost(self, key: RequestKey, now: float) -> bool:
+        """Whether a producer's "unknown" means the request is gone.
+
+        A producer engine offers its blocks to the router before its SubmitBlocks reaches its
+        sidecar (the call is asynchronous, and vLLM keeps the blocks meanwhile), so a consumer can
+        ask about a request its producer's sidecar has not seen yet. Unknown means lost once the
+        producer knew it, or after ``producer_unknown_grace_seconds``."""
+        if key in self._confirmed:
+            return True
+        first = self._first_unknown.setdefault(key, now)
+        return now - first > self._node.settings.producer_unknown_grace_seconds
 
     async def heartbeat_once(self) -> None:
         """One heartbeat per producer engine for every request that still needs its blocks."""
@@ -437,8 +461,15 @@ class ConsumerSide:
             )
 
     async def _heartbeat(
-        self, address: str, engine_id: str, group: list[ConsumerRequest | KeptAlive], raise_errors: bool = False
-    ) -> None:
+        self,
+        address: str,
+        engine_id: str,
+        group: list[ConsumerRequest | KeptAlive],
+        raise_errors: bool = False,
+        judge: bool = True,
+    ) -> list[ConsumerRequest | KeptAlive]:
+        """Heartbeat ``group``; returns the items the producer did not know. With ``judge``, those
+        that count as lost (see ``_is_lost``) fail here."""
         node = self._node
         request = peer_pb2.HeartbeatRequest(
             caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[item.heartbeat_key() for item in group]
@@ -452,25 +483,28 @@ class ConsumerSide:
             log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
             if failures >= node.settings.heartbeat_failures_allowed:
                 self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
-            return
+            return list(group)
         now = time.monotonic()
         if response.lease_seconds > 0:
             pace_key, pace = self._pace_key(address, engine_id), max(0.05, response.lease_seconds / 3.0)
             if pace < self._pace.get(pace_key, float("inf")):
                 self._pace_changed.set()
             self._pace[pace_key] = pace
-        unknown = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
-        lost = []
+        unknown_keys = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
+        unknown = []
         for item in group:
             key = item.heartbeat_key()
-            if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown:
-                lost.append(item)
+            if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown_keys:
+                unknown.append(item)
             else:
                 # Known, and its lease extended to now + lease_seconds: half of that is a safe margin.
                 self._confirmed[(item.engine_id, item.request_id)] = now + response.lease_seconds / 2.0
-        self._producer_lost(
-            lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"
-        )
+        if judge:
+            lost = [item for item in unknown if self._is_lost((item.engine_id, item.request_id), now)]
+            self._producer_lost(
+                lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"
+            )
+        return unknown
 
     def _producer_lost(self, items: list[ConsumerRequest | KeptAlive], reason: str, label: str) -> None:
         for item in items:
@@ -557,6 +591,7 @@ class ConsumerSide:
         if self.requests.pop(pending.key, None) is None:
             return
         self._confirmed.pop(pending.key, None)
+        self._first_unknown.pop(pending.key, None)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
             self._node.transport.expect_notifications(-1)

@@ -314,3 +314,27 @@ def test_keep_alive_follows_the_producers_shorter_lease(sidecars, engines) -> No
         time.sleep(4.0)
         assert client.keep_alive("D", "short-d", remote(producer.peer_address, "P", "short")).producer_holds
     assert producer.events_for("short") == [], "P's lease expired: D heartbeated at its own, slower pace"
+
+
+def test_a_pull_that_overtakes_the_producers_submit_waits_for_it(sidecars, engines) -> None:
+    """vLLM hands P's kv_transfer_params to the router before P's SubmitBlocks reaches P's sidecar
+    (the call is asynchronous): D's Pull may arrive first and must wait for it, briefly."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    assert producer.command("fill", blocks=[4, 5], seed=8)["ok"]
+    reply = consumer.command(
+        "pull",
+        request_id="early-d",
+        blocks=[[10, 11]],
+        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "early", "blocks": [[4, 5]]},
+    )
+    assert reply["ok"]
+    time.sleep(0.4)
+    assert consumer.events_for("early-d") == [], "the pull must not give up while P's submit is on the way"
+    assert producer.command("submit", request_id="early", blocks=[[4, 5]])["ok"]
+    assert consumer.wait_event("early-d", 10)[0]["event"] == "FINISHED_RECEIVING"
+    assert producer.wait_event("early", 10)[0]["event"] == "FINISHED_SENDING"
+    assert np.array_equal(
+        kv(producer.buffers[0], 2, 64, 4096)[:, [4, 5]], kv(consumer.buffers[0], 2, 64, 4096)[:, [10, 11]]
+    )
