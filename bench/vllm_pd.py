@@ -265,7 +265,10 @@ class Server:
         ]  # fmt: skip
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        tmpdir = workdir / f"tmp-{name}"  # vLLM's IPC sockets and dist files, removed with the work dir
+        tmpdir.mkdir(exist_ok=True)
         extra = {
+            "TMPDIR": str(tmpdir),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
             "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
@@ -930,14 +933,32 @@ def rows_of(bench: Bench) -> list[dict[str, Any]]:
             "d_computed_prompt_tokens": [run.d_prompt_tokens.get("local_compute") for run in runs],
             "d_loaded_prompt_tokens": [run.d_prompt_tokens.get("external_kv_transfer") for run in runs],
         }
-        if result.key.startswith("kvsidecar") and ttft is not None:
-            row["ratios"] = {
-                name: round(ttft / p50[(base, result.size)], 3)
-                for base, name in BASELINES.items()
-                if (base, result.size) in p50
-            }
         rows.append(row)
+    add_ratios(rows)
     return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """kvsidecar / vLLM for every kvsidecar row, at the same prompt size: sequential rows on D's TTFT
+    against the sequential vLLM rows; concurrent-dispatch rows (whose TTFT counted from P's answer
+    can be negative) on dispatch-to-first-token against vLLM's concurrent push."""
+    by = {(row["configuration"], row["prompt_tokens"]): row for row in rows}
+    for row in rows:
+        if not row["configuration"].startswith("kvsidecar") or row["ttft_p50_ms"] is None:
+            continue
+        size = row["prompt_tokens"]
+        if row["configuration"].endswith("-concurrent"):
+            metric, pairs = (
+                "dispatch_to_first_token_p50_ms",
+                {"nixl-push-fixed-concurrent": "vs_nixl_push_fixed_concurrent"},
+            )
+        else:
+            metric, pairs = "ttft_p50_ms", BASELINES
+        row["ratios"] = {
+            name: round(row[metric] / by[(base, size)][metric], 3)
+            for base, name in pairs.items()
+            if by.get((base, size), {}).get(metric)
+        }
 
 
 def markdown(rows: list[dict[str, Any]], sizes: list[int]) -> str:
@@ -952,6 +973,8 @@ def markdown(rows: list[dict[str, Any]], sizes: list[int]) -> str:
             return "failed"
         if what == "ttft":
             flag = "" if row["output_matches"] else " ✗"
+            if row["configuration"].endswith("-concurrent"):
+                return f"{row['ttft_p50_ms']:.0f} ms (dispatch {row['dispatch_to_first_token_p50_ms']:.0f} ms){flag}"
             return f"{row['ttft_p50_ms']:.0f} ms{flag}"
         value = row.get("request_transfer_ms") if what == "request" else row.get("transfer_ms")
         return "—" if value is None else f"{value:.1f} ms"
@@ -962,7 +985,8 @@ def markdown(rows: list[dict[str, Any]], sizes: list[int]) -> str:
     head = " | ".join(f"{size}" for size in sizes)
     sep = "|---|---|" + "---|" * len(sizes)
     out = [
-        "D's time to first token, median (✗: a decode output differed from the plain instance's)",
+        "D's time to first token, median (✗: a decode output differed from the plain instance's; concurrent "
+        "dispatch: from P's answer, and from dispatching both legs)",
         "",
         f"| configuration | setup | {head} |",
         sep,
@@ -991,15 +1015,23 @@ def markdown(rows: list[dict[str, Any]], sizes: list[int]) -> str:
                 text += f" (request {cell(size_row, 'request')})"
             cells.append(text)
         out.append(f"| {row['label']} | {row['setup']} | " + " | ".join(cells) + " |")
-    ratio_names = [name for name in BASELINES.values() if any(name in r.get("ratios", {}) for r in rows)]
+    shown = ("vs_nixl_pull_fixed", "vs_nixl_push_fixed", "vs_nixl_pull_shipped", "vs_nixl_push_fixed_concurrent")
+    ratio_names = [name for name in shown if any(name in r.get("ratios", {}) for r in rows)]
     if ratio_names:
-        out += ["", "kvsidecar TTFT / vLLM TTFT (same prompt size; < 1: kvsidecar faster)", ""]
+        out += [
+            "",
+            "kvsidecar / vLLM, same prompt size (< 1: kvsidecar faster): D's TTFT; concurrent dispatch: "
+            "dispatch to first token",
+            "",
+        ]
         out += ["| kvsidecar row | versus | " + head + " |", sep]
         for key in by_key:
             if not key.startswith("kvsidecar"):
                 continue
             for name in ratio_names:
                 ratios = {s: by_key[key][s].get("ratios", {}) for s in sizes if s in by_key[key]}
+                if not any(name in r for r in ratios.values()):
+                    continue
                 cells = [f"{ratios[s][name]:.2f}" if name in ratios.get(s, {}) else "—" for s in sizes]
                 out.append(f"| {first(key)['label']} | {name.removeprefix('vs_')} | " + " | ".join(cells) + " |")
     return "\n".join(out)
