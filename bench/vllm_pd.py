@@ -29,7 +29,8 @@ Transfer time: for kvsidecar from the sidecars' Prometheus metrics
 ``vllm:nixl_xfer_time_seconds`` metric; the increase over a prompt size's runs, per request.
 
 Pinning (2 cores): P's vLLM with ``VLLM_CPU_OMP_THREADS_BIND=0``, D's with ``=1``, one OpenMP
-thread each; the API processes, the sidecars and this client are not pinned.
+thread each (vLLM pins each engine's worker process, where the forward runs); the API and
+EngineCore processes, the sidecars and this client are not pinned.
 
 Diagnostics (environment): ``KVBENCH_TRACE=FILE`` appends the client's leg times (wall clock) to
 FILE; ``KVBENCH_SERVER_PYTHONPATH`` / ``KVBENCH_SIDECAR_PYTHONPATH`` are put first on the vLLM
@@ -37,7 +38,10 @@ servers' / sidecars' PYTHONPATH (e.g. a tracing ``sitecustomize``; it shadows th
 
 Run: ``python -m bench.vllm_pd [--json bench/out/vllm_pd.json] [--quick] [--runs 7]
 [--sizes 512 2048 8192] [--configs ...]``; ``make bench-vllm``. Cleans up (process groups by PID,
-the shim's /dev/shm files, the work directory) on success, failure and Ctrl-C; every wait is bounded.
+the shim's /dev/shm files and vLLM's orphaned shared-memory queues, the work directory with the
+servers' TMPDIRs) on success, failure, Ctrl-C and SIGTERM; every wait is bounded. A configuration
+that fails (a server that does not start, a leg past ``--request-timeout``) becomes error rows and
+the run goes on; the exit status is 3 when any row failed or mismatched.
 """
 
 from __future__ import annotations
