@@ -1107,12 +1107,13 @@ async def amain(args: argparse.Namespace, bench: Bench) -> None:
 
 @contextlib.contextmanager
 def interrupts_as_keyboard_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the run like Ctrl-C, through the same cleanup."""
+    """SIGINT, SIGTERM and SIGHUP end the run through the same cleanup (SIGINT too, because a shell
+    starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
 
     def handler(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
