@@ -82,7 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from engine_shim.client import EventWatcher, SidecarClient, remote
+from engine_shim.client import EventWatcher, Future, SidecarClient, remote
 from kvsidecar.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
@@ -247,7 +247,7 @@ class _FutureLike(Protocol):
     def done(self) -> bool: ...
 
 
-def _copy_outcome(source: grpc.Future, target: concurrent.futures.Future[Any]) -> None:
+def _copy_outcome(source: Future[Any], target: concurrent.futures.Future[Any]) -> None:
     exc = source.exception()
     if exc is not None:
         target.set_exception(exc)
@@ -298,13 +298,13 @@ class _SchedulerSide:
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
         # This sidecar's PeerService address, returned to routers as remote_host/remote_port.
         self._address: str | None = None
-        self._address_future: grpc.Future | None = None
+        self._address_future: Future[Any] | None = None
         self._down = False  # the channel is in TRANSIENT_FAILURE / SHUTDOWN
         self._receives: dict[str, _Receive] = {}
         # Consumer requests whose producer lease the sidecar keeps alive until they are scheduled,
         # and those whose producer already said it no longer holds the KV (recompute them).
         self._arrived: dict[str, Request] = {}
-        self._kept_alive: dict[str, grpc.Future] = {}
+        self._kept_alive: dict[str, Future[Any]] = {}
         self._producer_lost: set[str] = set()
         self._sends: set[str] = set()  # producer requests whose blocks the sidecar holds
         self._push_sends: set[str] = set()  # the subset a consumer's registration makes us WRITE
@@ -344,7 +344,7 @@ class _SchedulerSide:
         future = self.client.status_async()
         self._address_future = future
 
-        def done(f: grpc.Future) -> None:
+        def done(f: Future[Any]) -> None:
             if f.exception() is None:
                 self._address = f.result().sidecar.address
 
@@ -364,13 +364,13 @@ class _SchedulerSide:
         logger.warning("SidecarConnector: %s for %s; releasing it on the sidecar", reason, request_id)
         release = self.client.release_async(self.engine_id, request_id, transfer_id, reason=reason[:200])
 
-        def released(f: grpc.Future) -> None:
+        def released(f: Future[Any]) -> None:
             if f.exception() is not None or not f.result().found:
                 self._failures.append(("recv", request_id, reason))
 
         release.add_done_callback(released)
 
-    def _on_submit_done(self, request_id: str, future: grpc.Future) -> None:
+    def _on_submit_done(self, request_id: str, future: Future[Any]) -> None:
         exc = future.exception()
         if exc is not None:
             _, text = _rpc_error(exc)
@@ -416,7 +416,7 @@ class _SchedulerSide:
         )
         self._kept_alive[request_id] = future
 
-        def done(f: grpc.Future) -> None:
+        def done(f: Future[Any]) -> None:
             # Errors (an older sidecar without KeepAlive, a sidecar that is down) change nothing:
             # the request call that follows reports its own failure.
             if f.exception() is None and not f.result().producer_holds:
@@ -424,7 +424,7 @@ class _SchedulerSide:
 
         future.add_done_callback(done)
 
-    def _after_keep_alive(self, request_id: str, call: Callable[[], grpc.Future]) -> _FutureLike:
+    def _after_keep_alive(self, request_id: str, call: Callable[[], Future[Any]]) -> _FutureLike:
         """Issue ``call`` once the request's KeepAlive (if any) is answered, so the call that ends
         the keep-alive on the sidecar cannot overtake it and leave it running."""
         kept = self._kept_alive.pop(request_id, None)
@@ -432,7 +432,7 @@ class _SchedulerSide:
             return call()
         proxy: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
-        def issue(_: grpc.Future) -> None:
+        def issue(_: Future[Any]) -> None:
             try:
                 real = call()
             except Exception as exc:
@@ -491,6 +491,7 @@ class _SchedulerSide:
         )
         # The Pull / ExpectPush also ends the sidecar's keep-alive of the request.
         client = self.client
+        call: Callable[[], Future[Any]]
         if mode == "pull":
             call = partial(
                 client.pull_async, self.engine_id, request_id, local, target, transfer_id, self.config.pull_timeout
@@ -630,7 +631,7 @@ class _SchedulerSide:
         return True, result
 
     def _release_after(self, receive: _Receive, reason: str) -> None:
-        def release(_: grpc.Future) -> None:
+        def release(_: Future[Any]) -> None:
             future = self.client.release_async(self.engine_id, receive.request_id, receive.transfer_id, reason=reason)
             # If the sidecar did not know it (or is gone), its request call failed and was reported.
             future.add_done_callback(_ignore)

@@ -40,6 +40,12 @@ def _add_serve(subparsers: Any) -> None:
     for flag, (_, kind, text) in _SERVE_FLAGS.items():
         parser.add_argument(flag, type=kind, default=None, help=text)
     parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="shut down when this process (the one starting the daemon) exits; for supervisors other than systemd",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -78,7 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    from sidecar.server import serve
+    from sidecar.server import exit_with_parent, serve
+
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
 
     return asyncio.run(serve(settings))
 

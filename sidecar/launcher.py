@@ -7,7 +7,6 @@ has a bound.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -22,15 +21,6 @@ import grpc
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-_PR_SET_PDEATHSIG = 1
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (even by SIGKILL), so a demo or a
-    test that is killed does not leave daemons behind (Linux prctl PR_SET_PDEATHSIG). The signal
-    follows the thread that started the child, so start daemons from a long-lived thread."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def kill_group(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
@@ -83,6 +73,10 @@ class DaemonProcess:
             "--peer-listen", f"127.0.0.1:{self.peer_port}",
             "--metrics-listen", "off",
             "--log-format", "json",
+            # The daemon asks for SIGTERM when this process dies (prctl, after exec): a demo or a
+            # test that is killed leaves no daemons behind. Not a preexec_fn: that forces fork(),
+            # and grpc's fork handlers can hang a parent with live channels.
+            "--parent-pid", str(os.getpid()),
             *self.args,
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
@@ -92,7 +86,6 @@ class DaemonProcess:
                 stderr=subprocess.STDOUT,
                 env=child_env(self.env),
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent,
             )
         self._wait_ready(timeout)
         return self

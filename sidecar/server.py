@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -42,6 +43,8 @@ from sidecar.peer_api import PeerServicer
 from sidecar.systemd import SystemdNotifier
 
 log = get_logger("kvsidecar.server")
+
+_PR_SET_PDEATHSIG = 1
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
@@ -337,6 +340,15 @@ def _prepare_socket_path(path: Path) -> None:
             raise RuntimeError(f"another process already serves the engine socket {path}")
         finally:
             probe.close()
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Get SIGTERM (a graceful shutdown) when the process that started us dies, even by SIGKILL;
+    for daemons started by a supervisor that is not systemd (the demo, tests). Linux only."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def serve(settings: Settings) -> int:
