@@ -49,9 +49,8 @@ def test_mapping_outside_the_allowed_directories_or_past_the_file_is_refused(tmp
         importer.map(ExportSpec("DRAM", str(outside), b"", 0, 8192, 0), "exports[0]")
     with pytest.raises(InvalidArgument, match="does not exist"):
         importer.map(ExportSpec("DRAM", "/dev/shm/kvsidecar-no-such-file", b"", 0, 10, 0), "exports[0]")
-    with SharedBuffer(8192) as buffer:
-        with pytest.raises(InvalidArgument, match="exceeds the size"):
-            importer.map(ExportSpec("DRAM", str(buffer.path), b"", 4096, 8192, 0), "exports[0]")
+    with SharedBuffer(8192) as buffer, pytest.raises(InvalidArgument, match="exceeds the size"):
+        importer.map(ExportSpec("DRAM", str(buffer.path), b"", 4096, 8192, 0), "exports[0]")
 
 
 def test_vram_without_a_gpu_is_failed_precondition_with_a_clear_message() -> None:
@@ -77,7 +76,9 @@ def test_registration_errors_over_grpc(sidecars) -> None:
         vram.CopyFrom(good)
         del vram.exports[:]
         vram.exports.append(
-            engine_pb2.MemoryExport(kind=common_pb2.MEMORY_KIND_VRAM, cuda_ipc_handle=b"\0" * 64, length=LAYOUT.total_bytes)
+            engine_pb2.MemoryExport(
+                kind=common_pb2.MEMORY_KIND_VRAM, cuda_ipc_handle=b"\0" * 64, length=LAYOUT.total_bytes
+            )
         )
         with pytest.raises(grpc.RpcError) as error:
             client.register_worker(vram)
