@@ -52,17 +52,14 @@ import contextlib
 import json
 import os
 import platform
-import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,8 +73,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sidecar.launcher import DaemonProcess, child_env  # noqa: E402
+from sidecar.launcher import DaemonProcess  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
+from tests.support.vllm_engine import VllmServer, free_port, remove_engine_shm_files  # noqa: E402
 
 # The model: 2 (K, V) x 4 KV heads x 64 dims x 4 bytes x 8 layers = 16 KiB of KV per token.
 MODEL_SPEC: dict[str, int] = {
@@ -215,35 +213,12 @@ def remove_orphaned_shm(before: set[str]) -> list[str]:
 
 def remove_shim_files(engine_ids: list[str]) -> list[str]:
     """The SidecarConnector's KV files (``/dev/shm/kvsvllm-<engine id>-...``) of these engines."""
-    removed = []
-    for engine_id in engine_ids:
-        for path in Path("/dev/shm").glob(f"kvsvllm-{engine_id}-*"):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
+    return [path.name for engine_id in engine_ids for path in remove_engine_shm_files(engine_id)]
 
 
-def free_port() -> int:
-    """A free loopback port *below* the ephemeral range: a port taken from the ephemeral range can
-    be handed to another socket (vLLM opens many) before the server that was told to use it binds
-    it, which killed vLLM's NIXL handshake listener in a trial run."""
-    low, high = 20000, 32000
-    with contextlib.suppress(OSError, ValueError):
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-        high = min(high, ephemeral_low)
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found")
-
-
-class Server:
-    """``vllm serve`` (the OpenAI API process and its EngineCore) in its own session."""
+class Server(VllmServer):
+    """``vllm serve`` for the benchmark: the tests' server with this run's model size, KV space, a
+    NIXL side-channel port of its own (vLLM's connectors), and optional patch directories."""
 
     def __init__(
         self,
@@ -256,58 +231,28 @@ class Server:
         kv_transfer_config: dict[str, Any] | None,
         patch_dirs: list[Path],
     ) -> None:
-        self.name = name
-        self.port = free_port()
         self.side_channel_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"vllm-{name}.log"
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", "tiny",
-            "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
-            "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
-        ]  # fmt: skip
-        if kv_transfer_config is not None:
-            command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        tmpdir = workdir / f"tmp-{name}"  # vLLM's IPC sockets and dist files, removed with the work dir
-        tmpdir.mkdir(exist_ok=True)
-        extra = {
-            "TMPDIR": str(tmpdir),
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
-        }
-        env = child_env(extra)
-        for patch_dir in patch_dirs:
-            env["PYTHONPATH"] = str(patch_dir) + os.pathsep + env["PYTHONPATH"]
+        pythonpath = list(patch_dirs)
         if os.environ.get("KVBENCH_SERVER_PYTHONPATH"):  # diagnostics: e.g. a tracing sitecustomize
-            env["PYTHONPATH"] = os.environ["KVBENCH_SERVER_PYTHONPATH"] + os.pathsep + env["PYTHONPATH"]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            pythonpath.insert(0, Path(os.environ["KVBENCH_SERVER_PYTHONPATH"]))
+        super().__init__(
+            workdir,
+            name,
+            model,
+            cpu=cpu,
+            kv_transfer_config=kv_transfer_config,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_bytes=None,
+            kv_space_gib=kv_space_gib,
+            extra_env={
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+            },
+            pythonpath=pythonpath,
+        )
 
-    async def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as response:
-                if response.status == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM {self.name} not ready within {timeout:.0f}s:\n{self.log_tail()}")
-            await asyncio.sleep(0.5)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+    async def wait_ready_async(self, timeout: float) -> None:
+        await asyncio.to_thread(self.wait_ready, timeout)
 
     def log_has(self, text: str) -> bool:
         try:
@@ -322,29 +267,6 @@ class Server:
             return [root.pid, *(child.pid for child in root.children(recursive=True))]
         except psutil.Error:
             return []
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL to the group. vLLM's EngineCore and worker and the multiprocessing
-        resource tracker (which unlinks their shared-memory queues) get up to ``timeout`` to go first."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout)
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.process.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
-        self.kill()
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        if self.process.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(10)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -614,7 +536,7 @@ class Bench:
             self.reaper.servers.append(server)
             servers[side] = server
         try:
-            await asyncio.gather(*(server.wait_ready(self.args.start_timeout) for server in servers.values()))
+            await asyncio.gather(*(server.wait_ready_async(self.args.start_timeout) for server in servers.values()))
         except BaseException:
             for server in servers.values():
                 server.kill()

@@ -24,9 +24,11 @@ stdout: ``{"ready": {...}}`` once the engine is up, then one reply per command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -34,6 +36,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -391,10 +394,10 @@ class VllmEngineProcess:
         remove_shm_files(self.process.pid)
 
 
-def private_tmp(workdir: Path) -> dict[str, str]:
+def private_tmp(workdir: Path, name: str = "") -> dict[str, str]:
     """TMPDIR inside the test's work directory: vLLM puts its IPC sockets and ``vllm_dist_*``
     directories in the temp dir, and they go when the work directory is removed."""
-    tmp = workdir / "tmp"
+    tmp = workdir / (f"tmp-{name}" if name else "tmp")
     tmp.mkdir(exist_ok=True)
     return {"TMPDIR": str(tmp)}
 
@@ -419,19 +422,43 @@ def remove_engine_shm_files(engine_id: str) -> list[Path]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A free loopback port *below* the ephemeral range: a port taken from the ephemeral range can
+    be handed to another socket (vLLM opens many) before the server that was told to use it binds
+    it, which killed vLLM's NIXL handshake listener in a trial run."""
+    low, high = 20000, 32000
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, ephemeral_low)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 class VllmServer:
     """vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) in its own
     session: the API process plus its EngineCore process, as users deploy it. Killed by process
-    group; the shim's KV files are removed by engine id."""
+    group; the shim's KV files are removed by engine id. The benchmark (``bench/vllm_pd.py``) starts
+    its servers with this class too."""
 
     def __init__(
-        self, workdir: Path, name: str, model: Path, *, cpu: int, kv_transfer_config: dict[str, Any] | None = None
+        self,
+        workdir: Path,
+        name: str,
+        model: Path,
+        *,
+        cpu: int,
+        kv_transfer_config: dict[str, Any] | None = None,
+        max_model_len: int = 1024,
+        kv_cache_bytes: int | None = 64 << 20,
+        kv_space_gib: int = 1,
+        extra_env: dict[str, str] | None = None,
+        pythonpath: Sequence[Path] = (),
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -439,41 +466,28 @@ class VllmServer:
         self.engine_id = str((kv_transfer_config or {}).get("engine_id") or "")
         self.log_path = workdir / f"vllm-server-{name}.log"
         command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            "tiny",
-            "--dtype",
-            "float32",
-            "--block-size",
-            "32",
-            "--max-model-len",
-            "1024",
-            "--enforce-eager",
-            "--seed",
-            "0",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-        ]
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--dtype", "float32", "--block-size", "32", "--max-model-len", str(max_model_len),
+            "--enforce-eager", "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        if kv_cache_bytes is not None:
+            command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         env = python_env(
             {
                 "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
                 "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
                 "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",
-                **private_tmp(workdir),
+                **private_tmp(workdir, name),
+                **(extra_env or {}),
             }
         )
+        for directory in reversed(pythonpath):  # e.g. a sitecustomize that patches vLLM
+            env["PYTHONPATH"] = str(directory) + os.pathsep + env["PYTHONPATH"]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -502,14 +516,18 @@ class VllmServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM (vLLM shuts down its EngineCore and removes its shared-memory queues), then
-        SIGKILL to the whole group if it is not gone within ``timeout``."""
+        """SIGTERM (vLLM shuts down its EngineCore and worker, and the multiprocessing resource
+        tracker unlinks their shared-memory queues), then SIGKILL to whatever of the group is left
+        after ``timeout``."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+                os.killpg(self.process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
         self.kill()
 
     def kill(self) -> None:
