@@ -122,16 +122,6 @@ class SimulatedEngine:
         for worker in self.workers:
             worker.buffer.array[:] = 0
 
-    def wait_events(
-        self, request_ids: Sequence[str], timeout: float, kinds: Sequence[int] | None = None
-    ) -> list[dict[str, engine_pb2.Event]]:
-        """Per worker, the terminal events of ``request_ids`` (bounded wait)."""
-        results = []
-        for worker in self.workers:
-            assert worker.watcher is not None
-            results.append(worker.watcher.wait_for(request_ids, timeout, kinds))
-        return results
-
     def close(self) -> None:
         for worker in self.workers:
             try:

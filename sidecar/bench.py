@@ -104,7 +104,7 @@ class RawNixl:
     def __init__(self, pair: TransferPair, separate_process: bool = False) -> None:
         from sidecar.transport import load_nixl
 
-        api, _, _ = load_nixl()
+        api, _ = load_nixl()
         assert pair.producer is not None and pair.consumer is not None
         layout = pair.layout
         source = pair.producer.workers[0].buffer.array

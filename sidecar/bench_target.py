@@ -18,7 +18,7 @@ def main() -> int:
     path, length = sys.argv[1], int(sys.argv[2])
     from sidecar.transport import load_nixl
 
-    api, _, _ = load_nixl()
+    api, _ = load_nixl()
     fd = os.open(path, os.O_RDWR)
     mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(fd)

@@ -84,9 +84,6 @@ class PushMatcher:
     def registrations(self) -> list[Registration]:
         return list(self._registrations.values())
 
-    def submissions(self) -> list[Submission]:
-        return list(self._submissions.values())
-
     def registration_matching(self, sub: Submission) -> Registration | None:
         """The stored registration ``sub`` would match, left in place."""
         for reg_key in self._candidates(self._reg_index, sub.engine_id, self._sub_tokens(sub)):

@@ -62,7 +62,6 @@ class MappedMemory:
     address: int
     length: int
     device_id: int
-    description: str
     _map_base: int = 0
     _map_length: int = 0
     _cuda_ptr: int = 0
@@ -158,7 +157,6 @@ class MemoryImporter:
             address=base + (spec.offset - map_offset),
             length=spec.length,
             device_id=0,
-            description=spec.shm_path,
             _map_base=base,
             _map_length=map_length,
         )
@@ -208,7 +206,6 @@ def _open_cuda_ipc(spec: ExportSpec, field_name: str) -> MappedMemory:
         address=pointer.value + spec.offset,
         length=spec.length,
         device_id=spec.device_id,
-        description=f"cuda-ipc:device{spec.device_id}",
         _cuda_ptr=pointer.value,
     )
 

@@ -169,9 +169,6 @@ class PeerDirectory:
         )
         return view
 
-    def cached_engines(self) -> list[EngineView]:
-        return list(self._engines.values())
-
     async def forget(self, address: str, reason: str) -> None:
         """Drop everything cached about a peer; its agents are unloaded from ours."""
         key = self._key(address)

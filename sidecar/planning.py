@@ -64,10 +64,6 @@ class Slice:
     index: int = 0
     count: int = 1
 
-    @property
-    def is_whole(self) -> bool:
-        return self.count == 1
-
 
 WHOLE = Slice()
 

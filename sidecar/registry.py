@@ -7,7 +7,6 @@ event loop thread.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -46,7 +45,6 @@ class Worker:
     watchers: int = 0
     overflowed: bool = False
     attach_timer: asyncio.TimerHandle | None = None
-    registered_at: float = field(default_factory=time.monotonic)
 
     @property
     def key(self) -> WorkerKey:

@@ -28,10 +28,6 @@ class SystemdNotifier:
             int(usec) / 1_000_000 / 2 if usec.isdigit() and int(usec) > 0 and applies else None
         )
 
-    @property
-    def enabled(self) -> bool:
-        return self._address is not None
-
     def notify(self, state: str) -> bool:
         """Send one state string; returns False when disabled or the socket is gone."""
         if self._address is None:

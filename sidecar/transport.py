@@ -59,11 +59,10 @@ class NixlUnavailable(RuntimeError):
     """NIXL could not be imported or an agent could not be created."""
 
 
-def load_nixl() -> tuple[Any, Any, str]:
-    """Import NIXL's Python API; returns (api module, bindings module, version string)."""
+def load_nixl() -> tuple[Any, str]:
+    """Import NIXL's Python API; returns (api module, version string)."""
     try:
         import nixl_cu12._api as api
-        import nixl_cu12._bindings as bindings
     except ImportError as exc:
         raise NixlUnavailable(
             "NIXL is not installed. Install it with `pip install --no-deps nixl-cu12==1.5.1 numpy` "
@@ -76,7 +75,7 @@ def load_nixl() -> tuple[Any, Any, str]:
     except PackageNotFoundError:
         nixl_version = "nixl-cu12 unknown"
     route_foreign_loggers()
-    return api, bindings, nixl_version
+    return api, nixl_version
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ class NixlTransport:
         on_xfer_done: Callable[[str, TransferResult], None] | None = None,
     ) -> None:
         self._settings = settings
-        self._api, self._bindings, self.nixl_version = load_nixl()
+        self._api, self.nixl_version = load_nixl()
         self._on_notifications = on_notifications
         self._on_xfer_done = on_xfer_done
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -148,7 +147,6 @@ class NixlTransport:
         self._warm_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.polls = 0
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -273,7 +271,6 @@ class NixlTransport:
             future.set_result(result)
 
     def _poll(self) -> bool:
-        self.polls += 1
         progressed = False
         notifications: list[tuple[str, bytes]] = []
         for name, state in self._agents.items():
