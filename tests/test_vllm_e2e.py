@@ -63,6 +63,21 @@ def fresh_prompt(length: int) -> str:
     return prompt_words(length, next(_seeds))
 
 
+def early_push_params(cluster: Cluster, transfer_id: str) -> dict[str, Any]:
+    """A decode leg sent before the prefill leg answered (push): D knows only P's engine id and
+    sidecar address, and the router's transfer id."""
+    host, _, port = cluster.a.address.rpartition(":")
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": cluster.engine_ids[0],
+        "remote_host": host,
+        "remote_port": int(port),
+        "transfer_id": transfer_id,
+        "transfer_mode": "push",
+        "tp_size": 1,
+    }
+
+
 def blocks_of(length: int) -> int:
     return -(-length // BLOCK_SIZE)
 
@@ -210,7 +225,6 @@ def test_decode_with_prefill_kv_equals_single_instance(cluster: Cluster, mode: s
 def test_push_with_both_legs_dispatched_at_once(cluster: Cluster) -> None:
     """The router sends D its leg first (it only knows P's engine id and sidecar) and P second,
     with the same transfer_id; D's registration waits at P's sidecar until P's blocks arrive."""
-    host, _, port = cluster.a.address.rpartition(":")
     for length in (130, 260):
         prompt = fresh_prompt(length)
         transfer_id = uuid.uuid4().hex
@@ -218,15 +232,7 @@ def test_push_with_both_legs_dispatched_at_once(cluster: Cluster) -> None:
             "generate",
             prompt=prompt,
             max_tokens=MAX_TOKENS,
-            kv_transfer_params={
-                "do_remote_prefill": True,
-                "remote_engine_id": cluster.engine_ids[0],
-                "remote_host": host,
-                "remote_port": int(port),
-                "transfer_id": transfer_id,
-                "transfer_mode": "push",
-                "tp_size": 1,
-            },
+            kv_transfer_params=early_push_params(cluster, transfer_id),
         )
         time.sleep(0.3)  # let D register first (the other order is the sequential test above)
         cluster.prefill_leg(prompt, "push", transfer_id)
@@ -277,21 +283,12 @@ def test_keep_alive_holds_producer_blocks_while_consumer_request_waits(cluster: 
 def test_consumer_abort_releases_both_sides(cluster: Cluster) -> None:
     """D aborts a request waiting for a push: its sidecar drops the request and P's sidecar the
     registration, and vLLM gets its blocks back."""
-    host, _, port = cluster.a.address.rpartition(":")
     before = _status(cluster.decode)
     waiting = cluster.decode.send(
         "generate",
         prompt=fresh_prompt(190),
         max_tokens=MAX_TOKENS,
-        kv_transfer_params={
-            "do_remote_prefill": True,
-            "remote_engine_id": cluster.engine_ids[0],
-            "remote_host": host,
-            "remote_port": int(port),
-            "transfer_id": uuid.uuid4().hex,
-            "transfer_mode": "push",
-            "tp_size": 1,
-        },
+        kv_transfer_params=early_push_params(cluster, uuid.uuid4().hex),
     )
     wait_until(lambda: _sidecar_status(cluster.a).pending_push_registrations >= 1, 30.0, 0.1, "push registered at P")
     assert _sidecar_status(cluster.b).pending_receives == 1
@@ -481,22 +478,13 @@ def _pending_receives(sidecar: SidecarProcess) -> int:
 def test_consumer_sidecar_restart_fails_inflight_request_to_recompute(cluster: Cluster) -> None:
     """D waits for a push that never comes when its sidecar dies: the closed event stream fails the
     request, vLLM recomputes it (same output), and the shim registers with the new sidecar."""
-    host, _, port = cluster.a.address.rpartition(":")
     prompt = fresh_prompt(180)
     reference = cluster.reference(prompt)
     waiting = cluster.decode.send(
         "generate",
         prompt=prompt,
         max_tokens=MAX_TOKENS,
-        kv_transfer_params={
-            "do_remote_prefill": True,
-            "remote_engine_id": cluster.engine_ids[0],
-            "remote_host": host,
-            "remote_port": int(port),
-            "transfer_id": uuid.uuid4().hex,
-            "transfer_mode": "push",
-            "tp_size": 1,
-        },
+        kv_transfer_params=early_push_params(cluster, uuid.uuid4().hex),
     )
     wait_until(lambda: _pending_receives(cluster.b) >= 1, 30.0, 0.1, "D's push registered")
     started = time.monotonic()
