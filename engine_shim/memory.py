@@ -1,9 +1,14 @@
 """Exporting an engine worker's KV memory to the sidecar through POSIX shared memory.
 
 ``SharedBuffer`` creates a named tmpfs file under ``/dev/shm`` and maps it: the worker uses the
-mapping as its KV cache (vLLM's CPU KV buffer via ``torch.from_file``, or a GPU engine's host
-staging buffer), and the sidecar maps the same file by name. No header, no refcounting: the file
-holds exactly the KV bytes, and the worker that created it unlinks it.
+mapping as its KV cache (vLLM's CPU KV buffer, or a GPU engine's host staging buffer), and the
+sidecar maps the same file by name. No header, no refcounting: the file holds exactly the KV bytes.
+
+Ownership: the creating process holds an exclusive ``flock`` on the file for the buffer's life
+and unlinks it on close. A process that dies without closing (SIGKILL, OOM) drops the lock with
+it, which is how the sidecar tells an orphaned file from a live one and removes it
+(``sidecar.memory.remove_if_orphaned``). The file is created nameless (``O_TMPFILE``), locked,
+and only then linked under its name, so no one ever sees it named and unlocked.
 
 ``kv_registration`` describes the common vLLM layout (one storage, one region per layer, each a
 slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
@@ -11,8 +16,10 @@ slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,23 +33,27 @@ SHM_DIR = Path("/dev/shm")
 
 
 class SharedBuffer:
-    """A named shared-memory file mapped read-write in this process."""
+    """A named shared-memory file mapped read-write in this process, locked while it lives."""
 
     def __init__(self, size: int, name: str | None = None, directory: Path = SHM_DIR, populate: bool = False) -> None:
         if size <= 0:
             raise ValueError("size must be > 0")
         self.size = size
         self.path = directory / (name or f"kvsidecar-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # Without O_EXCL: a nameless file may be linked once, below.
+            self._fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create a shared-memory file in {directory}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(self._fd, size)  # tmpfs: reads as zeros
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self._mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            _link(self._fd, self.path)
         except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
             raise
-        os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
 
     def export(self, offset: int = 0, length: int | None = None) -> engine_pb2.MemoryExport:
@@ -51,23 +62,67 @@ class SharedBuffer:
             shm_path=str(self.path),
             offset=offset,
             length=self.size - offset if length is None else length,
+            owner_locked=True,
         )
 
-    def close(self, unlink: bool = True) -> None:
-        """Drop the mapping (and the file). Views of ``array`` must not be used afterwards."""
-        if unlink:
-            self.path.unlink(missing_ok=True)
+    def close(self) -> None:
+        """Remove the file's name and drop this process's mapping (the memory goes when the
+        sidecar unmaps it too). Views of ``array`` must not be used afterwards."""
+        if self._fd < 0:
+            return
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # releases the lock after the name is gone
+        self._fd = -1
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self._mmap.close()
         except BufferError:
-            pass  # numpy views still alive; the mapping goes with them
+            pass  # numpy or torch views still alive; the mapping goes with them
 
     def __enter__(self) -> SharedBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _link(fd: int, path: Path) -> None:
+    """Give the nameless file ``fd`` the name ``path``: linkat(AT_SYMLINK_FOLLOW) on its /proc
+    magic link. os.link uses linkat only when a dir_fd is given; plain link() would link the
+    symlink itself."""
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
+
+
+def remove_if_orphaned(path: Path) -> bool:
+    """Remove ``path`` if it is a ``SharedBuffer`` file whose creator died without closing it:
+    the creator's lock is gone, so this process can take it. True if it removed the file.
+
+    Only for files made by ``SharedBuffer`` (or another owner that keeps the same lock): any other
+    file is never locked and would look orphaned."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # gone already, or not ours to open
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its creator is alive
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+                return False  # the name now belongs to another file
+        except FileNotFoundError:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,17 @@ views it per layer. Two ways to share it with the sidecar were verified (referen
 ``vllm_on_cpu.md`` section 2):
 
 1. ``get_mem_pool_context()`` returns a ``TorchFunctionMode`` that turns exactly that allocation
-   into ``torch.from_file('/dev/shm/<name>', shared=True)`` on a file this module creates.
+   into a tensor over a ``SharedBuffer`` (``engine_shim.memory``): a ``/dev/shm`` file this module
+   creates.
 2. ``register_kv_caches`` calls ``untyped_storage()._share_filename_cpu_()``, which copies the
    storage into a torch-managed shm file with a 64-byte refcount header.
 
 The default ("auto") is method 1, with method 2 as the fallback when the hook did not see the
 allocation (a future vLLM that allocates differently). Method 1 is the robust one: the file holds
 exactly the KV bytes (no header whose size depends on the torch version), it is named and owned
-by this module (created with O_EXCL, 0600, unlinked at shutdown), nothing is copied at start-up,
-and it does not depend on torch's shm manager process or sharing strategy. Its one dependency on
+by this module (0600, locked while the engine lives, unlinked at shutdown; a killed engine's file
+is removed by its sidecar or by the next engine that starts), nothing is copied at start-up, and
+it does not depend on torch's shm manager process or sharing strategy. Its one dependency on
 vLLM internals (a single int8 ``torch.zeros`` of the size ``kv_cache_config`` announces) fails
 safe: if it does not match, method 2 takes over. ``kv_connector_extra_config.memory_export``
 ("auto" | "mem_pool" | "torch_shm") forces one of them. GPU engines would export VRAM through
@@ -83,6 +85,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, Future, SidecarClient, remote
+from engine_shim.memory import SharedBuffer, remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
 
 if TYPE_CHECKING:
@@ -686,14 +689,14 @@ class _SchedulerSide:
 
 class _ShmKvAllocation(TorchFunctionMode):
     """Turns vLLM's one KV allocation (``torch.zeros(n, dtype=int8)`` with ``n`` announced by
-    ``kv_cache_config``) into a tensor over a named shared-memory file; every other call passes."""
+    ``kv_cache_config``) into a tensor over a ``SharedBuffer``; every other call passes."""
 
     def __init__(self, sizes: set[int], path: Path) -> None:
         super().__init__()
         self.sizes = sizes
         self.path = path
+        self.buffer: SharedBuffer | None = None
         self.data_ptr = 0
-        self.size = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -706,14 +709,9 @@ class _ShmKvAllocation(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _allocate(self, size: int) -> torch.Tensor:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)  # tmpfs: reads as zeros, like torch.zeros
-        finally:
-            os.close(fd)
-        tensor = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.int8)
+        self.buffer = SharedBuffer(size, name=self.path.name, directory=self.path.parent)  # zeros, like torch.zeros
+        tensor = torch.from_numpy(self.buffer.array).view(torch.int8)
         self.data_ptr = tensor.untyped_storage().data_ptr()
-        self.size = size
         logger.info("SidecarConnector: KV cache (%d bytes) allocated in shared memory %s", size, self.path)
         return tensor
 
@@ -768,7 +766,6 @@ class _WorkerSide:
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
         self._inbox: queue.SimpleQueue[engine_pb2.Event | _StreamClosed | _Connected] = queue.SimpleQueue()
         self._allocation: _ShmKvAllocation | None = None
-        self._shm_paths: list[Path] = []
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
         self._watcher: EventWatcher | None = None
         self._watcher_lock = threading.Lock()
@@ -803,19 +800,20 @@ class _WorkerSide:
         sizes = {tensor.size for tensor in self.kv_cache_config.kv_cache_tensors}
         if not sizes:
             return None
+        directory = Path(self.config.shm_dir)
+        for orphan in directory.glob(f"{SHM_PREFIX}*"):
+            if remove_if_orphaned(orphan):  # left by an engine that was killed
+                logger.warning("SidecarConnector: removed %s, left behind by an engine that was killed", orphan)
         rank = f"pp{self.pp_rank}-tp{self.tp_rank}"
         name = f"{SHM_PREFIX}{self.engine_id}-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._allocation = _ShmKvAllocation(sizes, Path(self.config.shm_dir) / name)
+        self._allocation = _ShmKvAllocation(sizes, directory / name)
         return self._allocation
 
     def _export(self, storage: torch.UntypedStorage) -> engine_pb2.MemoryExport:
         nbytes = storage.nbytes()
         allocation = self._allocation
-        if allocation is not None and allocation.data_ptr == storage.data_ptr():
-            self._shm_paths.append(allocation.path)
-            return engine_pb2.MemoryExport(
-                kind=common_pb2.MEMORY_KIND_DRAM, shm_path=str(allocation.path), offset=0, length=nbytes
-            )
+        if allocation is not None and allocation.buffer is not None and allocation.data_ptr == storage.data_ptr():
+            return allocation.buffer.export(0, nbytes)
         if self.config.memory_export == "mem_pool":
             raise RuntimeError(
                 "SidecarConnector: memory_export='mem_pool' but vLLM did not allocate the KV cache through "
@@ -850,7 +848,7 @@ class _WorkerSide:
             self._need_connect.set()
         self._supervisor = threading.Thread(target=self._supervise, name="kvsidecar-shim-supervisor", daemon=True)
         self._supervisor.start()
-        atexit.register(self._unlink_shm)
+        atexit.register(self._close_shm)
 
     def _build_registration(self, kv_caches: Mapping[str, torch.Tensor]) -> engine_pb2.RegisterWorkerRequest:
         config = self.kv_cache_config
@@ -1171,11 +1169,17 @@ class _WorkerSide:
         if self._supervisor is not None:
             self._supervisor.join(timeout=5.0)
         self.client.close()
-        self._unlink_shm()
+        self._close_shm()
 
-    def _unlink_shm(self) -> None:
-        for path in self._shm_paths:
-            path.unlink(missing_ok=True)
+    def shm_paths(self) -> list[Path]:
+        """The KV file this worker exported, if it made one (tests and debugging)."""
+        allocation = self._allocation
+        return [allocation.path] if allocation is not None and allocation.buffer is not None else []
+
+    def _close_shm(self) -> None:
+        # Removes the file's name; vLLM's tensors keep the mapping for as long as they live.
+        if self._allocation is not None and self._allocation.buffer is not None:
+            self._allocation.buffer.close()
 
 
 # --- vLLM facts ----------------------------------------------------------------------------------

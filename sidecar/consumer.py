@@ -38,6 +38,7 @@ log = get_logger("kvsidecar.consumer")
 class ProducerLost(FailedPrecondition):
     """The producer no longer holds a request's blocks."""
 
+
 RequestKey = tuple[str, str]  # (engine_id, request_id)
 
 

@@ -40,9 +40,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.KeepAliveResponse:
         return await self._node.keep_alive(request)
 
-    async def Pull(
-        self, request: engine_pb2.PullRequest, context: grpc.aio.ServicerContext
-    ) -> engine_pb2.PullResponse:
+    async def Pull(self, request: engine_pb2.PullRequest, context: grpc.aio.ServicerContext) -> engine_pb2.PullResponse:
         return await self._node.pull(request)
 
     async def HoldBlocks(

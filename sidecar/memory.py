@@ -9,6 +9,10 @@ write (over CMA a peer writes straight into this process by address), so the add
 never be handed to another mapping; a late write then fails with EFAULT instead of corrupting
 whatever the kernel would have put there.
 
+A worker's file whose export says ``owner_locked`` is removed after its worker is gone if its
+creator no longer holds its lock (``engine_shim.memory.remove_if_orphaned``): an engine killed
+with SIGKILL cannot remove its own file.
+
 VRAM: a CUDA IPC handle opened with ``cudaIpcOpenMemHandle`` (libcudart through ctypes). It is the
 real path on a GPU node; here, without a GPU, it reports FAILED_PRECONDITION.
 
@@ -52,6 +56,7 @@ class ExportSpec:
     offset: int
     length: int
     device_id: int
+    owner_locked: bool = False  # see MemoryExport.owner_locked
 
 
 @dataclass
@@ -62,6 +67,8 @@ class MappedMemory:
     address: int
     length: int
     device_id: int
+    # The file to remove once the worker is gone, if its creator died without removing it.
+    orphan_path: str = ""
     _map_base: int = 0
     _map_length: int = 0
     _cuda_ptr: int = 0
@@ -157,6 +164,7 @@ class MemoryImporter:
             address=base + (spec.offset - map_offset),
             length=spec.length,
             device_id=0,
+            orphan_path=str(real) if spec.owner_locked else "",
             _map_base=base,
             _map_length=map_length,
         )

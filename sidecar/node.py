@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from engine_shim.memory import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import PROTOCOL_VERSION, __version__, validation
 from sidecar.cache_index import CacheIndex, HeldBlocks
@@ -270,6 +273,22 @@ class Node:
         released = await self.remove_worker(worker, "unregistered by the engine")
         return engine_pb2.UnregisterWorkerResponse(requests_released=released)
 
+    async def _remove_orphaned_files(self, paths: list[str]) -> None:
+        """Remove the KV files of a worker that died without removing them (killed). Its lock
+        goes only when its process has fully exited, which may be a moment after its event stream
+        closed, so look a few times; a live worker keeps its lock and its file."""
+        pending = set(paths)
+        for delay in (0.0, 0.5, 2.0, 5.0):
+            await asyncio.sleep(delay)
+            for path in sorted(pending):
+                if remove_if_orphaned(Path(path)):
+                    log.warning("orphaned_shm_file_removed", path=path, hint="its engine exited without removing it")
+                    pending.discard(path)
+                elif not os.path.exists(path):
+                    pending.discard(path)
+            if not pending:
+                return
+
     async def remove_worker(self, worker: Worker, reason: str) -> int:
         """Drop a worker: its engine's requests end, its agent and memory go. Returns the number
         of requests released."""
@@ -293,6 +312,9 @@ class Node:
         await self.transport.drop_agent(worker.agent_name)
         for memory in worker.memories:
             self.memory.release(memory)
+        orphans = [memory.orphan_path for memory in worker.memories if memory.orphan_path]
+        if orphans:
+            self.spawn(self._remove_orphaned_files(orphans), engines=[])
         worker.events.put_nowait(_StreamClosed(reason))  # type: ignore[arg-type]
         self._update_registration_gauges()
         log.info("worker_removed", worker=worker.worker_id, reason=reason, requests_released=released)

@@ -137,7 +137,15 @@ def register_worker(request: engine_pb2.RegisterWorkerRequest) -> WorkerSpec:
             raise InvalidArgument(f"{field}.length", "must be > 0")
         kinds.add(kind)
         exports.append(
-            ExportSpec(kind, export.shm_path, export.cuda_ipc_handle, export.offset, export.length, export.device_id)
+            ExportSpec(
+                kind,
+                export.shm_path,
+                export.cuda_ipc_handle,
+                export.offset,
+                export.length,
+                export.device_id,
+                owner_locked=export.owner_locked and kind == "DRAM",
+            )
         )
     if len(kinds) > 1:
         raise InvalidArgument("exports", "all exports of one worker must be of the same memory kind")

@@ -109,8 +109,13 @@ class TransferPair:
             self._waiters[(engine, request_id)] = future
         return future
 
-    def _finish(self, request_id: str, received: concurrent.futures.Future[engine_pb2.Event],
-                sent: concurrent.futures.Future[engine_pb2.Event], started: float) -> float:
+    def _finish(
+        self,
+        request_id: str,
+        received: concurrent.futures.Future[engine_pb2.Event],
+        sent: concurrent.futures.Future[engine_pb2.Event],
+        started: float,
+    ) -> float:
         try:
             event = received.result(self.request_timeout)
             latency = time.perf_counter() - started

@@ -3,16 +3,24 @@ the mapping when a worker goes."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
 
 from engine_shim.client import SidecarClient
-from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration, remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.memory import ExportSpec, MemoryImporter
+from tests.support.processes import EngineProcess, wait_until
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=4096)
 
@@ -99,8 +107,6 @@ def test_a_worker_that_never_watches_is_dropped(sidecars) -> None:
     sidecar = sidecars(args=["--set", "worker_attach_timeout_seconds=0.5"])
     with SidecarClient(sidecar.socket) as client, SharedBuffer(LAYOUT.total_bytes) as buffer:
         client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()]))
-        from tests.support.processes import wait_until
-
         wait_until(lambda: not client.status().engines, 5, 0.1, "the unattached worker is dropped")
 
 
@@ -112,6 +118,59 @@ def test_a_worker_whose_stream_closes_is_dropped(sidecars) -> None:
         watcher.wait_connected(5)
         assert client.status().engines[0].workers[0].watching
         watcher.cancel()
-        from tests.support.processes import wait_until
-
         wait_until(lambda: not client.status().engines, 5, 0.1, "the worker is dropped when its stream ends")
+
+
+def _creator_process(directory: Path) -> subprocess.Popen[str]:
+    """A process that creates a SharedBuffer in ``directory``, prints its path and waits."""
+    code = (
+        "import sys, time; from pathlib import Path; from engine_shim.memory import SharedBuffer; "
+        f"buffer = SharedBuffer(8192, directory=Path({str(directory)!r})); buffer.array[:3] = [7, 8, 9]; "
+        "print(buffer.path, flush=True); time.sleep(60)"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_creators_file_is_recognised_as_orphaned(workdir: Path) -> None:
+    """The lock tells a live creator's file from one whose creator was killed; the killed one's file
+    is removed, and memory mapped from it before stays readable."""
+    directory = Path(tempfile.mkdtemp(prefix="kvs-orphans-", dir="/dev/shm"))
+    creator = _creator_process(directory)
+    try:
+        assert creator.stdout is not None
+        path = Path(creator.stdout.readline().strip())
+        assert path.parent == directory and path.exists()
+        assert not remove_if_orphaned(path), "the file of a live creator was taken for an orphan"
+        assert path.exists()
+        fd = os.open(path, os.O_RDWR)
+        mapped = mmap.mmap(fd, 8192)
+        os.close(fd)
+        creator.kill()
+        creator.wait(10)
+        assert path.exists(), "nothing removes a killed creator's file by itself"
+        assert remove_if_orphaned(path)
+        assert not path.exists() and not os.listdir(directory)
+        assert mapped[:3] == b"\x07\x08\x09"
+        mapped.close()
+    finally:
+        creator.kill()
+        creator.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_sidecar_removes_the_file_of_a_killed_engine_and_keeps_a_live_ones(sidecars, engines) -> None:
+    sidecar = sidecars()
+    doomed = engines(sidecar, "P", "producer")
+    survivor = engines(sidecar, "D", "consumer")
+
+    def files_of(engine: EngineProcess) -> list[Path]:
+        return sorted(Path("/dev/shm").glob(f"kvsidecar-{engine.process.pid}-*"))
+
+    assert files_of(doomed) and files_of(survivor)
+    kept = files_of(survivor)
+    os.kill(doomed.process.pid, signal.SIGKILL)  # no chance to remove its own file
+    doomed.process.wait(10)
+    wait_until(lambda: not files_of(doomed), 15, 0.1, "the killed engine's shm file is removed")
+    assert any(event.get("event") == "orphaned_shm_file_removed" for event in sidecar.log_events())
+    assert files_of(survivor) == kept
+    assert survivor.command("fill", blocks=[1], seed=1)["ok"]  # the live engine is untouched

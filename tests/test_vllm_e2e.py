@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -473,6 +474,31 @@ def _sidecar_status(sidecar: SidecarProcess) -> Any:
 
 def _pending_receives(sidecar: SidecarProcess) -> int:
     return int(_sidecar_status(sidecar).pending_receives)
+
+
+def test_a_killed_vllm_engine_leaves_no_kv_file_behind(cluster: Cluster) -> None:
+    """vLLM killed with SIGKILL cannot remove its KV file from /dev/shm; its sidecar removes it
+    when the engine's event stream closes, and leaves the live engines' files alone."""
+    engine = VllmEngineProcess(
+        cluster.workdir,
+        "doomed",
+        cluster.model,
+        cpu=1,
+        sidecar=cluster.b.socket,
+        engine_id=f"doomed-{cluster.token}",
+        role="kv_consumer",
+    )
+    try:
+        engine.wait_ready(180.0)
+        files, live = engine.shm_paths(), cluster.decode.shm_paths()
+        assert files and all(path.exists() for path in files + live), (files, live)
+        os.killpg(engine.process.pid, signal.SIGKILL)
+        engine.process.wait(10)
+        wait_until(lambda: not any(path.exists() for path in files), 15.0, 0.1, "the killed engine's KV file removed")
+        assert all(path.exists() for path in live)
+        assert any(event.get("event") == "orphaned_shm_file_removed" for event in cluster.b.log_events())
+    finally:
+        engine.kill()
 
 
 def test_consumer_sidecar_restart_fails_inflight_request_to_recompute(cluster: Cluster) -> None:

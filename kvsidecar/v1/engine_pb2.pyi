@@ -24,20 +24,22 @@ LOAD_FAILED: EventKind
 LEASE_EXPIRED: EventKind
 
 class MemoryExport(_message.Message):
-    __slots__ = ("kind", "shm_path", "cuda_ipc_handle", "offset", "length", "device_id")
+    __slots__ = ("kind", "shm_path", "cuda_ipc_handle", "offset", "length", "device_id", "owner_locked")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_LOCKED_FIELD_NUMBER: _ClassVar[int]
     kind: _common_pb2.MemoryKind
     shm_path: str
     cuda_ipc_handle: bytes
     offset: int
     length: int
     device_id: int
-    def __init__(self, kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+    owner_locked: bool
+    def __init__(self, kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., device_id: _Optional[int] = ..., owner_locked: _Optional[bool] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("name", "export_index", "offset", "block_len", "block_stride", "group_id")

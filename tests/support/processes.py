@@ -21,7 +21,6 @@ REPO = REPO_ROOT
 python_env = child_env
 
 
-
 def wait_until(predicate: Any, timeout: float, interval: float = 0.02, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout
     while True:

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             "connected": side.connected,
             "sidecar_id": side.sidecar_id,
             "peer_address": side.peer_address,
-            "shm_paths": [str(path) for path in side._shm_paths],
+            "shm_paths": [str(path) for path in side.shm_paths()],
             "vllm_requests": len(scheduler.requests),
             "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
         }
