@@ -7,7 +7,7 @@ sidecar maps the same file by name. No header, no refcounting: the file holds ex
 Ownership: the creating process holds an exclusive ``flock`` on the file for the buffer's life
 and unlinks it on close. A process that dies without closing (SIGKILL, OOM) drops the lock with
 it, which is how the sidecar tells an orphaned file from a live one and removes it
-(``sidecar.memory.remove_if_orphaned``). The file is created nameless (``O_TMPFILE``), locked,
+(``remove_if_orphaned``). The file is created nameless (``O_TMPFILE``), locked,
 and only then linked under its name, so no one ever sees it named and unlocked.
 
 ``kv_registration`` describes the common vLLM layout (one storage, one region per layer, each a
@@ -117,9 +117,9 @@ def remove_if_orphaned(path: Path) -> bool:
         try:
             if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
                 return False  # the name now belongs to another file
-        except FileNotFoundError:
-            return False
-        os.unlink(path)
+            os.unlink(path)
+        except OSError:
+            return False  # gone meanwhile, or a directory we may not remove names from
         return True
     finally:
         os.close(fd)
