@@ -24,6 +24,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 from sidecar.logs import get_logger
+from sidecar.notices import NoticeTally
 from sidecar.peers import normalize_address
 from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
 from sidecar.registry import CONSUMER_ROLES, Engine, Worker
@@ -51,8 +52,7 @@ class ConsumerRequest:
     local_blocks: BlockIds
     remote: engine_pb2.RemoteBlocks
     created: float = field(default_factory=time.monotonic)
-    notices: dict[str, int] = field(default_factory=dict)
-    expected: dict[str, int] = field(default_factory=dict)
+    notices: NoticeTally = field(default_factory=NoticeTally)
     registered: bool = False  # push: the producer accepted the registration
     transferring: bool = False  # pull: READs in flight
     cancelling: bool = False  # push watchdog fired; waiting for in-flight WRITEs to end
@@ -185,18 +185,8 @@ class ConsumerSide:
             request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
         )
         engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
-        pending = ConsumerRequest(
-            engine_id=request.engine_id,
-            request_id=request.request_id,
-            transfer_id=request.transfer_id,
-            mode=common_pb2.TRANSFER_MODE_PULL,
-            local_blocks=local,
-            remote=request.remote,
-        )
-        self._add(pending)
-        lost = self._end_keep_alive(pending.key)
-        if lost is not None:
-            self._fail(pending, lost, reason_label="producer_lost")
+        pending = self._admit(request, common_pb2.TRANSFER_MODE_PULL, local)
+        if pending is None:
             return engine_pb2.PullResponse(accepted=True)
         node.spawn(self._run_pull(pending, engine, remote_blocks, timeout), engines=self._engines_of(pending))
         return engine_pb2.PullResponse(accepted=True)
@@ -211,18 +201,8 @@ class ConsumerSide:
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
         )
         engine = self._require_engine(request.engine_id, request.request_id, local, "block_ids")
-        pending = ConsumerRequest(
-            engine_id=request.engine_id,
-            request_id=request.request_id,
-            transfer_id=request.transfer_id,
-            mode=common_pb2.TRANSFER_MODE_PUSH,
-            local_blocks=local,
-            remote=request.remote,
-        )
-        self._add(pending)
-        lost = self._end_keep_alive(pending.key)
-        if lost is not None:
-            self._fail(pending, lost, reason_label="producer_lost")
+        pending = self._admit(request, common_pb2.TRANSFER_MODE_PUSH, local)
+        if pending is None:
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
         self.watchdogs.set(pending.key, time.monotonic() + timeout)
         # Registering needs a handshake and a peer call; both are bounded by peer_call_timeout.
@@ -267,12 +247,8 @@ class ConsumerSide:
         pending = self.requests.get((notice.engine_id, notice.request_id))
         if pending is None or not pending.is_push:
             return False
-        name = worker.agent_name
-        pending.notices[name] = pending.notices.get(name, 0) + 1
-        pending.expected[name] = max(1, notice.expected)
-        engine = self._node.registry.engines.get(pending.engine_id)
-        workers = engine.ordered_workers() if engine is not None else []
-        if all(pending.notices.get(w.agent_name, 0) >= pending.expected.get(w.agent_name, 1) for w in workers):
+        pending.notices.record(worker.agent_name, notice.expected)
+        if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
             self._node.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
@@ -547,11 +523,28 @@ class ConsumerSide:
             engines.append(pending.remote.engine_id)
         return engines
 
-    def _add(self, pending: ConsumerRequest) -> None:
+    def _admit(
+        self, request: engine_pb2.PullRequest | engine_pb2.ExpectPushRequest, mode: int, local: BlockIds
+    ) -> ConsumerRequest | None:
+        """Start tracking a validated request. None if its producer already dropped it while it
+        waited in the engine's queue: it has failed (LOAD_FAILED with the reason)."""
+        pending = ConsumerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            mode=mode,
+            local_blocks=local,
+            remote=request.remote,
+        )
         self.requests[pending.key] = pending
         if pending.is_push:
             self._node.transport.expect_notifications(1)
         self._node.metrics.pending_receives.set(len(self.requests))
+        lost = self._end_keep_alive(pending.key)
+        if lost is not None:
+            self._fail(pending, lost, reason_label="producer_lost")
+            return None
+        return pending
 
     async def _tell_producer(self, pending: ConsumerRequest, consumed: bool, reason: str) -> bool:
         """Tell the producer's sidecar it may free (or drop the registration). Returns True if

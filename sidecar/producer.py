@@ -24,6 +24,7 @@ from sidecar import validation
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
 from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.notices import NoticeTally
 from sidecar.planning import BlockIds, PlanError, check_block_ids, trim_to_tail
 from sidecar.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
@@ -46,8 +47,7 @@ class ProducerRequest:
     mode: int
     lease_seconds: float
     created: float = field(default_factory=time.monotonic)
-    notices: dict[str, int] = field(default_factory=dict)  # agent name -> notifications counted
-    expected: dict[str, int] = field(default_factory=dict)  # agent name -> notifications expected
+    notices: NoticeTally = field(default_factory=NoticeTally)
     writing: bool = False
     lease_ended: bool = False
     held: bool = False
@@ -276,12 +276,8 @@ class ProducerSide:
         pending = self.requests.get((notice.engine_id, notice.request_id))
         if pending is None or not pending.accepts_pull:
             return False
-        name = worker.agent_name
-        pending.notices[name] = pending.notices.get(name, 0) + 1
-        pending.expected[name] = max(1, notice.expected)
-        engine = self._node.registry.engines.get(pending.engine_id)
-        workers = engine.ordered_workers() if engine is not None else []
-        if all(pending.notices.get(w.agent_name, 0) >= pending.expected.get(w.agent_name, 1) for w in workers):
+        pending.notices.record(worker.agent_name, notice.expected)
+        if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
             self._finish(pending, engine_pb2.FINISHED_SENDING)
         return True
 
@@ -383,7 +379,7 @@ class ProducerSide:
                 "lease_expired",
                 engine_id=pending.engine_id,
                 request_id=pending.request_id,
-                notifications=sum(pending.notices.values()),
+                notifications=pending.notices.total,
                 what=what,
             )
             self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=f"{what} of {pending.lease_seconds:g}s expired")

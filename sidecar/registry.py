@@ -161,6 +161,11 @@ class Registry:
     def by_agent(self, agent_name: str) -> Worker | None:
         return self._by_agent.get(agent_name)
 
+    def agent_names(self, engine_id: str) -> list[str]:
+        """The NIXL agents of ``engine_id``'s workers here (none if it is gone)."""
+        engine = self.engines.get(engine_id)
+        return [worker.agent_name for worker in engine.ordered_workers()] if engine is not None else []
+
     def add(self, engine: Engine, worker: Worker) -> None:
         engine.workers[(worker.pp_rank, worker.tp_rank)] = worker
         engine.generation = uuid.uuid4().hex[:12]
