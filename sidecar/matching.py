@@ -92,6 +92,14 @@ class PushMatcher:
                 return reg
         return None
 
+    def submission_matching(self, reg: Registration) -> Submission | None:
+        """The stored submission ``reg`` would match, left in place."""
+        for sub_key in self._candidates(self._sub_index, reg.engine_id, self._reg_tokens(reg)):
+            sub = self._submissions[sub_key]
+            if _matches(sub, reg):
+                return sub
+        return None
+
     def add_submission(self, sub: Submission) -> Registration | None:
         """Offer a producer's blocks; returns the registration they match (removed), or stores them."""
         reg = self.registration_matching(sub)
@@ -111,11 +119,10 @@ class PushMatcher:
         A repeated registration (same consumer engine and request id) replaces the stored one, so
         duplicates are idempotent.
         """
-        for sub_key in self._candidates(self._sub_index, reg.engine_id, self._reg_tokens(reg)):
-            sub = self._submissions[sub_key]
-            if _matches(sub, reg):
-                self.remove_submission(*sub_key)
-                return sub
+        sub = self.submission_matching(reg)
+        if sub is not None:
+            self.remove_submission(sub.engine_id, sub.request_id)
+            return sub
         self.remove_registration(reg.key)
         self._registrations[reg.key] = reg
         for token in self._reg_tokens(reg):

@@ -86,10 +86,14 @@ class Node:
         )
 
     async def drain(self, grace: float) -> None:
-        """Refuse new work and give running requests up to ``grace`` seconds to finish."""
+        """Refuse new work and give running requests up to ``grace`` seconds to finish, including
+        blocks our producers computed that consumers have yet to pull or register for: a prefill
+        engine's rolling restart then costs its decoders no recompute."""
         self.draining = True
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and (self._tasks or self.consumer.requests):
+        while time.monotonic() < deadline and (
+            self._tasks or self.consumer.requests or self.producer.awaiting_consumers()
+        ):
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -483,8 +487,6 @@ class Node:
             )
 
     async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
-        if self.draining:
-            raise Unavailable("the sidecar is draining for shutdown")
         return await self.producer.handle_push_reg(request)
 
     async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:

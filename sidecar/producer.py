@@ -202,7 +202,6 @@ class ProducerSide:
         if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
             # A repeated registration: the first one is already matched or waiting.
             return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=reg_key in self._pushing)
-        node.check_capacity(self.matcher.pending_registrations)
         registration = Registration(
             engine_id=request.prefill_engine_id,
             decode_engine_id=request.decode_engine_id,
@@ -211,6 +210,10 @@ class ProducerSide:
             prefill_request_id=request.prefill_request_id,
             payload=(request, blocks),
         )
+        if self.matcher.submission_matching(registration) is None:
+            # It would wait: refused while draining for shutdown, or at capacity. One for blocks
+            # we already hold is served even while draining, so the consumer need not recompute.
+            node.check_capacity(self.matcher.pending_registrations)
         submission = self.matcher.add_registration(registration)
         if submission is None:
             self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
@@ -405,6 +408,10 @@ class ProducerSide:
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):
             self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+
+    def awaiting_consumers(self) -> int:
+        """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
+        return sum(1 for pending in self.requests.values() if not pending.held)
 
     def _add(self, pending: ProducerRequest) -> None:
         self.requests[pending.key] = pending

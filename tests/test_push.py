@@ -4,13 +4,14 @@ when prefill ends, in either order; failures reach the waiting side explicitly."
 from __future__ import annotations
 
 import random
+import signal
 import time
 import uuid
 
 import numpy as np
 import pytest
 
-from tests.support.processes import EngineProcess, SidecarProcess
+from tests.support.processes import EngineProcess, SidecarProcess, wait_until
 from tests.test_pull import kv
 
 LAYERS, BLOCKS, BLOCK_LEN = 2, 128, 4096
@@ -286,3 +287,33 @@ def test_a_full_prefix_hit_on_d_in_push_mode_frees_both_sides_without_writing(si
     event = producer.wait_event("hit-p", 5)[0]
     assert event["event"] == "FINISHED_SENDING"
     assert not kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN).any()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_draining_producer_sidecar_serves_blocks_it_holds_then_exits(sidecars, engines, mode: str) -> None:
+    """SIGTERM to P's sidecar while D has yet to take P's blocks (a prefill node's rolling
+    restart): new work is refused, but the drain waits for D, D gets P's bytes instead of
+    recomputing, and P's sidecar then exits 0 well within its grace."""
+    producer, consumer, p_side, _ = engine_pair(sidecars, engines, p_args=["--set", "shutdown_grace_seconds=20"])
+    assert producer.command("fill", blocks=[3, 4, 5], seed=9)["ok"]
+    submit = {"mode": PUSH, "transfer_id": "t-drain"} if mode == "push" else {}
+    assert producer.command("submit", request_id="drain-p", blocks=[[3, 4, 5]], **submit)["ok"]
+    assert p_side.process is not None
+    p_side.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: not producer.command("submit", request_id="late", blocks=[[6]])["ok"], 10, 0.05, "draining")
+    refused = producer.command("submit", request_id="late-2", blocks=[[7]])
+    assert not refused["ok"] and "draining" in refused["error"], refused
+    if mode == "push":
+        assert expect(consumer, producer, "drain-d", [10, 11, 12], transfer_id="t-drain")["registered"]
+    else:
+        remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "drain-p", "blocks": [[3, 4, 5]]}
+        assert consumer.command("pull", request_id="drain-d", blocks=[[10, 11, 12]], remote=remote)["ok"]
+    assert consumer.wait_event("drain-d", 10)[0]["event"] == "FINISHED_RECEIVING"
+    sent = producer.wait_event("drain-p", 10)[0]
+    assert sent["event"] == "FINISHED_SENDING" and "shutting down" not in sent.get("reason", ""), sent
+    assert p_side.process.wait(10) == 0  # the drain ended when D took the blocks, not at the grace
+    source, target = (
+        kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+        kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN),
+    )
+    assert np.array_equal(source[:, [3, 4, 5]], target[:, [10, 11, 12]])
