@@ -73,6 +73,11 @@ class NixlSettings(BaseModel):
     poll_interval_max_ms: float = Field(default=1.0, gt=0.0, le=100.0)
     # Pre-fault shared-memory mappings at registration (first writes into untouched pages are slow).
     populate_mappings: bool = True
+    # Liveness of the owner thread: a no-op is sent every probe interval; one unanswered for
+    # stall_seconds (NIXL has no timeouts; registering large memory can take seconds) makes health
+    # NOT_SERVING and withholds systemd watchdog pings until it is answered. 0 disables the probe.
+    probe_interval_seconds: float = Field(default=5.0, ge=0.0, le=3600.0)
+    stall_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
 
 
 class Settings(BaseSettings):

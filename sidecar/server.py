@@ -36,6 +36,7 @@ from sidecar import __version__
 from sidecar.config import Settings, split_host_port
 from sidecar.engine_api import EngineServicer
 from sidecar.errors import InvalidArgument, SidecarError
+from sidecar.liveness import LivenessMonitor
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.node import Node
@@ -206,6 +207,8 @@ class SidecarServer:
         self._stop = asyncio.Event()
         self._notifier = SystemdNotifier()
         self._watchdog_task: asyncio.Task[None] | None = None
+        self._liveness: LivenessMonitor | None = None
+        self._liveness_task: asyncio.Task[None] | None = None
         self._socket_path = Path(settings.engine_socket)
         self._owns_socket = False
 
@@ -265,13 +268,12 @@ class SidecarServer:
             metrics_host, metrics_port = split_host_port(settings.metrics_listen, "metrics_listen")
             self._metrics_http, self.metrics_port = node.metrics.serve_http(metrics_host, metrics_port)
 
-        for servicer, names in (
-            (self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)),
-            (self.peer_health, (PEER_SERVICE,)),
-        ):
-            await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-            for name in names:
-                await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(True)
+        if settings.nixl.probe_interval_seconds > 0:
+            self._liveness = LivenessMonitor(
+                node.transport.ping, self._set_health, settings.nixl.probe_interval_seconds, settings.nixl.stall_seconds
+            )
+            self._liveness_task = asyncio.ensure_future(self._liveness.run())
         log.info(
             "sidecar_serving",
             version=__version__,
@@ -287,10 +289,21 @@ class SidecarServer:
         if self._notifier.watchdog_interval:
             self._watchdog_task = asyncio.ensure_future(self._watchdog(self._notifier.watchdog_interval))
 
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for servicer, names in (
+            (self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)),
+            (self.peer_health, (PEER_SERVICE,)),
+        ):
+            for name in ("", *names):
+                await servicer.set(name, status)
+
     async def _watchdog(self, interval: float) -> None:
-        # Pings come from the event loop itself: if the loop wedges, systemd notices.
+        # Pings come from the event loop itself: if the loop wedges, systemd notices; a stuck NIXL
+        # owner thread (see sidecar.liveness) withholds them too.
         while True:
-            self._notifier.watchdog()
+            if self._liveness is None or self._liveness.healthy:
+                self._notifier.watchdog()
             await asyncio.sleep(interval)
 
     def request_stop(self) -> None:
@@ -304,6 +317,8 @@ class SidecarServer:
         deadline = time.monotonic() + grace
         self._notifier.stopping()
         log.info("sidecar_stopping", grace_seconds=grace)
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
         await self.engine_health.enter_graceful_shutdown()
         await self.peer_health.enter_graceful_shutdown()
         if self.node is not None:

@@ -55,6 +55,10 @@ _NOTHING = object()  # "no command" marker in the owner loop
 _DEFERRED = object()  # a command body that completes its future later
 
 
+def _no_op() -> None:
+    return None
+
+
 class NixlUnavailable(RuntimeError):
     """NIXL could not be imported or an agent could not be created."""
 
@@ -159,10 +163,18 @@ class NixlTransport:
         """Fail what is in flight, release everything, and join the owner thread (bounded)."""
         if self._thread is None:
             return
-        await self._call(self._shutdown_all)
+        try:
+            await asyncio.wait_for(self._call(self._shutdown_all), timeout)
+        except TimeoutError:
+            # The owner thread is stuck in a NIXL call; it is a daemon thread, so exiting still works.
+            log.error("nixl_shutdown_timed_out", timeout_seconds=timeout)
         self._commands.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
         self._thread = None
+
+    async def ping(self) -> None:
+        """Returns once the owner thread has run a no-op: it still takes commands."""
+        await self._call(_no_op)
 
     @property
     def in_flight(self) -> int:
