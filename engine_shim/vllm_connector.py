@@ -705,7 +705,10 @@ class _ShmKvAllocation(TorchFunctionMode):
             device = kwargs.get("device")
             on_cpu = device is None or torch.device(device).type == "cpu"
             if size in self.sizes and kwargs.get("dtype") == torch.int8 and on_cpu:
-                return self._allocate(size)
+                try:
+                    return self._allocate(size)
+                except OSError as exc:  # e.g. shm_dir on a filesystem without O_TMPFILE
+                    logger.warning("SidecarConnector: cannot put the KV cache in %s (%s)", self.path.parent, exc)
         return func(*args, **kwargs)
 
     def _allocate(self, size: int) -> torch.Tensor:

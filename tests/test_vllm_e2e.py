@@ -573,3 +573,33 @@ def test_prefill_sidecar_killed_before_decode_loads(cluster: Cluster) -> None:
         recovered = decode.generate(prompt, MAX_TOKENS, decode_params(params))
         assert recovered["token_ids"] == cluster.reference(prompt)
         assert_loaded_from_outside(recovered, 160, "pull")
+
+
+def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_be() -> None:
+    """vLLM's one int8 KV allocation becomes a SharedBuffer (its creator's lock held, so the sidecar
+    never takes it for an orphan); where the file cannot be made, vLLM gets its ordinary tensor
+    and the shim's torch-shm export takes over, instead of vLLM failing to start."""
+    import torch
+
+    from engine_shim.memory import remove_if_orphaned
+    from engine_shim.vllm_connector import _ShmKvAllocation
+
+    allocation = _ShmKvAllocation({8192}, Path("/dev/shm") / f"kvsvllm-test-{uuid.uuid4().hex[:8]}")
+    with allocation:
+        tensor = torch.zeros(8192, dtype=torch.int8)
+        other = torch.zeros(4096, dtype=torch.int8)  # not the KV cache: untouched
+    assert allocation.buffer is not None and allocation.path.exists()
+    try:
+        assert tensor.untyped_storage().data_ptr() == allocation.buffer.array.ctypes.data
+        assert other.untyped_storage().data_ptr() != allocation.buffer.array.ctypes.data
+        tensor[:3] = torch.tensor([5, 6, 7], dtype=torch.int8)
+        assert list(allocation.buffer.array[:3]) == [5, 6, 7]
+        assert not remove_if_orphaned(allocation.path), "a live engine's KV file was taken for an orphan"
+    finally:
+        allocation.buffer.close()
+    assert not allocation.path.exists()
+
+    missing = _ShmKvAllocation({8192}, Path("/nonexistent-dir") / "kvsvllm-x")
+    with missing:
+        fallback = torch.zeros(8192, dtype=torch.int8)
+    assert missing.buffer is None and fallback.shape == (8192,) and not fallback.any()
