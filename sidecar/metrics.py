@@ -119,6 +119,17 @@ class SidecarMetrics:
         self.transfers_in_flight = Gauge("kvsidecar_transfers_in_flight", "NIXL transfers in flight.", registry=r)
         self.held_requests = Gauge("kvsidecar_held_requests", "Requests whose blocks are held for reuse.", registry=r)
         self.events = Counter("kvsidecar_events_total", "Events sent to workers, by kind.", ["kind"], registry=r)
+        self.transport_responsive = Gauge(
+            "kvsidecar_transport_responsive",
+            "1 while the NIXL owner thread answers its liveness probe, 0 while it is stuck (health NOT_SERVING).",
+            registry=r,
+        )
+        self.transport_responsive.set(1)
+        self.orphaned_files_removed = Counter(
+            "kvsidecar_orphaned_shm_files_removed_total",
+            "KV files of workers that died without removing them, removed by this sidecar.",
+            registry=r,
+        )
 
     def serve_http(self, host: str, port: int) -> tuple[Any, int]:
         """Start the /metrics HTTP endpoint in a daemon thread; returns (server, bound port)."""

@@ -286,6 +286,7 @@ class Node:
             await asyncio.sleep(delay)
             for path in sorted(pending):
                 if remove_if_orphaned(Path(path)):
+                    self.metrics.orphaned_files_removed.inc()
                     log.warning("orphaned_shm_file_removed", path=path, hint="its engine exited without removing it")
                     pending.discard(path)
                 elif not os.path.exists(path):

@@ -290,6 +290,8 @@ class SidecarServer:
             self._watchdog_task = asyncio.ensure_future(self._watchdog(self._notifier.watchdog_interval))
 
     async def _set_health(self, serving: bool) -> None:
+        if self.node is not None:
+            self.node.metrics.transport_responsive.set(1 if serving else 0)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for servicer, names in (
             (self.engine_health, (ENGINE_SERVICE, PEER_SERVICE)),

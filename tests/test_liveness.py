@@ -81,13 +81,20 @@ def test_a_stuck_owner_thread_turns_the_sidecars_health_not_serving(workdir: Pat
                     await asyncio.sleep(0.05)
                 raise AssertionError(f"health never became {wanted}")
 
-            assert await status() == SERVING
+            registry = server.node.metrics.registry
+
+            def responsive() -> float | None:
+                return registry.get_sample_value("kvsidecar_transport_responsive")
+
+            assert await status() == SERVING and responsive() == 1
             stuck = stall(server.node.transport, release)
             await becomes(NOT_SERVING)
             assert await status("kvsidecar.v1.EngineService") == NOT_SERVING
+            assert responsive() == 0
             release.set()
             await stuck
             await becomes(SERVING)
+            assert responsive() == 1
             await channel.close()
         finally:
             release.set()
