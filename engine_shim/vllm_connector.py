@@ -82,8 +82,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
 
+from engine_shim import vllm_stats
 from engine_shim.client import EventWatcher, Future, SidecarClient, remote
 from engine_shim.memory import SharedBuffer, remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
@@ -792,6 +794,8 @@ class _WorkerSide:
         self._step_invalid: set[int] = set()
         self._next_housekeeping = 0.0
         self._last_loss = 0.0  # time.monotonic() of the last lost event stream
+        # This interval's outcomes for vLLM's stat loggers (see engine_shim.vllm_stats).
+        self.stats = vllm_stats.SidecarKVConnectorStats()
         # Terminal outcomes per request (bounded), for tests, benchmarks and debugging.
         self.transfers: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
 
@@ -1141,10 +1145,13 @@ class _WorkerSide:
             del self._early_recv[request_id]
 
     def _record(self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = "") -> None:
+        nbytes = event.bytes if event is not None else 0
+        duration_ms = event.duration_ms if event is not None else 0.0
+        self.stats.record(outcome, nbytes, duration_ms)
         self.transfers[request_id] = {
             "outcome": outcome,
-            "bytes": event.bytes if event is not None else 0,
-            "duration_ms": event.duration_ms if event is not None else 0.0,
+            "bytes": nbytes,
+            "duration_ms": duration_ms,
             "reason": reason or (event.reason if event is not None else ""),
         }
         while len(self.transfers) > 4096:
@@ -1336,6 +1343,14 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both roles; only workers see transfer outcomes.
+        return self.worker_side.stats.take() if self.worker_side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return vllm_stats.build(data)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -355,6 +356,7 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
             cluster.model,
             cpu=0,
             kv_transfer_config=kv_config(prefill_id, "kv_producer", cluster.a),
+            extra_env=STATS_EVERY_SECOND,
         ),
         VllmServer(
             cluster.workdir,
@@ -362,6 +364,7 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
             cluster.model,
             cpu=1,
             kv_transfer_config=kv_config(decode_id, "kv_consumer", cluster.b),
+            extra_env=STATS_EVERY_SECOND,
         ),
     ]
     proxies: list[subprocess.Popen[bytes]] = []
@@ -420,6 +423,10 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
                 {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
             )
             assert text == cluster.baseline_answer(prompt)["text"], f"{mode} concurrent={concurrent} streamed"
+        # vLLM's own stat logger prints the connector's numbers ("KV Transfer metrics: ...").
+        wait_until(lambda: _logged_count(servers[1], "Num received") > 0, 15.0, 0.2, "D logs KV received")
+        wait_until(lambda: _logged_count(servers[0], "Num sent") > 0, 15.0, 0.2, "P logs KV sent")
+        assert _logged_count(servers[1], "Num load failures") == 0
     finally:
         for proxy in proxies:
             proxy.kill()
@@ -470,6 +477,20 @@ def _wait_registered(engine: VllmEngineProcess, sidecar: SidecarProcess, timeout
 def _sidecar_status(sidecar: SidecarProcess) -> Any:
     with SidecarClient(sidecar.socket, timeout=5.0) as client:
         return client.status()
+
+
+STATS_EVERY_SECOND = {"VLLM_LOG_STATS_INTERVAL": "1"}
+
+
+def _logged_count(server: VllmServer, name: str) -> int:
+    """The sum of ``name=<n>`` over the "KV Transfer metrics" lines in a vLLM server's log."""
+    text = server.log_path.read_text(errors="replace")
+    return sum(
+        int(match)
+        for line in text.splitlines()
+        if "KV Transfer metrics:" in line
+        for match in re.findall(rf"{re.escape(name)}=(\d+)", line)
+    )
 
 
 def _pending_receives(sidecar: SidecarProcess) -> int:
@@ -603,3 +624,29 @@ def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_b
     with missing:
         fallback = torch.zeros(8192, dtype=torch.int8)
     assert missing.buffer is None and fallback.shape == (8192,) and not fallback.any()
+
+
+def test_connector_stats_add_up_across_workers_and_intervals() -> None:
+    """What vLLM's stat logger prints: outcomes recorded on two workers, taken once per step,
+    shipped as plain data, rebuilt and aggregated, then reduced."""
+    from engine_shim.vllm_connector import SidecarConnector
+    from engine_shim.vllm_stats import SidecarKVConnectorStats
+
+    first, second = SidecarKVConnectorStats(), SidecarKVConnectorStats()
+    assert first.take() is None  # nothing happened: vLLM gets None
+    first.record("received", 2_000_000, 12.0)
+    first.record("load_failed", 0, 0.0)
+    second.record("received", 1_000_000, 4.0)
+    second.record("sent", 3_000_000, 9.0)
+    second.record("lease_expired", 0, 0.0)
+    taken = [stats.take() for stats in (first, second)]
+    assert first.is_empty() and second.is_empty()
+    merged = SidecarConnector.build_kv_connector_stats(json.loads(json.dumps(taken[0].data)))
+    assert merged is not None
+    merged.aggregate(SidecarConnector.build_kv_connector_stats(taken[1].data))  # type: ignore[arg-type]
+    summary = merged.reduce()
+    assert summary["Num received"] == 2 and summary["Num sent"] == 1
+    assert summary["MB received"] == 3.0 and summary["MB sent"] == 3.0
+    assert summary["Median receive time (ms)"] == 8.0
+    assert summary["Num load failures"] == 1 and summary["Num leases expired"] == 1
+    assert SidecarConnector.build_kv_connector_stats(None).is_empty()  # type: ignore[union-attr]
