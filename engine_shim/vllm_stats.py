@@ -3,8 +3,9 @@
 vLLM asks each worker's connector for a ``KVConnectorStats`` every step (on the worker thread,
 after ``get_finished``), ships ``data`` to the scheduler process, merges the workers' with
 ``aggregate`` and, every logging interval, prints ``reduce()`` as "KV Transfer metrics: ...".
-``data`` must stay plain builtins (it crosses processes). The sidecar's Prometheus endpoint has
-the full picture; these are the numbers an operator sees in vLLM's own log.
+``data`` must stay plain builtins (it crosses processes). ``SidecarPromMetrics`` records the same
+observations as ``vllm:kvsidecar_*`` metrics on vLLM's own ``/metrics``. The sidecar's Prometheus
+endpoint has the full picture; these are the numbers an operator sees next to vLLM's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 _LISTS = ("receive_seconds", "received_bytes", "sent_bytes")
 _COUNTS = ("load_failures", "leases_expired", "sends_abandoned")
@@ -80,3 +88,71 @@ class SidecarKVConnectorStats(KVConnectorStats):
 
 def build(data: dict[str, Any] | None) -> SidecarKVConnectorStats:
     return SidecarKVConnectorStats(data=dict(data)) if data else SidecarKVConnectorStats()
+
+
+_TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_BYTE_BUCKETS = [float(2**power) for power in range(12, 36, 2)]  # 4 KiB .. 16 GiB
+
+
+class SidecarPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvsidecar_*`` metrics on vLLM's /metrics, fed from the stats' ``data``."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        # vLLM types these as a union of the three metric classes.
+        histogram_cls: Any = self._histogram_cls
+        counter_cls: Any = self._counter_cls
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        def histogram(name: str, documentation: str, buckets: list[float]) -> dict[int, Any]:
+            return per_engine(
+                histogram_cls(name=name, documentation=documentation, buckets=buckets, labelnames=labelnames)
+            )
+
+        def counter(name: str, documentation: str) -> dict[int, Any]:
+            return per_engine(counter_cls(name=name, documentation=documentation, labelnames=labelnames))
+
+        self.histograms = {
+            "receive_seconds": histogram(
+                "vllm:kvsidecar_receive_time_seconds",
+                "Time from a request's Pull/ExpectPush to its KV having arrived, through kvsidecar.",
+                _TIME_BUCKETS,
+            ),
+            "received_bytes": histogram(
+                "vllm:kvsidecar_received_bytes", "KV bytes received per request through kvsidecar.", _BYTE_BUCKETS
+            ),
+            "sent_bytes": histogram(
+                "vllm:kvsidecar_sent_bytes", "KV bytes sent per request through kvsidecar.", _BYTE_BUCKETS
+            ),
+        }
+        self.counters = {
+            "load_failures": counter(
+                "vllm:kvsidecar_load_failures", "Requests whose KV could not be loaded (vLLM recomputed them)."
+            ),
+            "leases_expired": counter(
+                "vllm:kvsidecar_leases_expired",
+                "Requests whose blocks this producer freed because no consumer took them in time.",
+            ),
+            "sends_abandoned": counter(
+                "vllm:kvsidecar_sends_abandoned",
+                "Requests this producer stopped offering because the sidecar went away.",
+            ),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.histograms.items():
+            for value in transfer_stats_data.get(key, []):
+                metric[engine_idx].observe(value)
+        for key, metric in self.counters.items():
+            count = transfer_stats_data.get(key, 0)
+            if count:
+                metric[engine_idx].inc(count)

@@ -427,6 +427,16 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
         wait_until(lambda: _logged_count(servers[1], "Num received") > 0, 15.0, 0.2, "D logs KV received")
         wait_until(lambda: _logged_count(servers[0], "Num sent") > 0, 15.0, 0.2, "P logs KV sent")
         assert _logged_count(servers[1], "Num load failures") == 0
+        # ... and its /metrics has them as vllm:kvsidecar_* series.
+        wait_until(
+            lambda: (_metric(servers[1], "vllm:kvsidecar_receive_time_seconds_count") or 0) > 0,
+            15.0,
+            0.2,
+            "D's metrics",
+        )
+        wait_until(lambda: (_metric(servers[0], "vllm:kvsidecar_sent_bytes_count") or 0) > 0, 15.0, 0.2, "P's metrics")
+        assert (_metric(servers[1], "vllm:kvsidecar_received_bytes_sum") or 0) > 0
+        assert _metric(servers[1], "vllm:kvsidecar_load_failures_total") == 0  # present, and zero
     finally:
         for proxy in proxies:
             proxy.kill()
@@ -491,6 +501,18 @@ def _logged_count(server: VllmServer, name: str) -> int:
         if "KV Transfer metrics:" in line
         for match in re.findall(rf"{re.escape(name)}=(\d+)", line)
     )
+
+
+def _metric(server: VllmServer, name: str) -> float | None:
+    """The sum of a series over all its label sets on a vLLM server's /metrics (None if absent)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=5.0) as response:
+        text = response.read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    return sum(values) if values else None
 
 
 def _pending_receives(sidecar: SidecarProcess) -> int:
