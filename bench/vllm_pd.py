@@ -75,7 +75,12 @@ if str(REPO) not in sys.path:
 
 from sidecar.launcher import DaemonProcess  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
-from tests.support.vllm_engine import VllmServer, free_port, remove_engine_shm_files  # noqa: E402
+from tests.support.vllm_engine import (  # noqa: E402
+    VllmServer,
+    free_port,
+    remove_engine_shm_files,
+    remove_orphaned_shm,
+)
 
 # The model: 2 (K, V) x 4 KV heads x 64 dims x 4 bytes x 8 layers = 16 KiB of KV per token.
 MODEL_SPEC: dict[str, int] = {
@@ -187,28 +192,6 @@ class Reaper:
         orphans = remove_orphaned_shm(self.shm_before)
         if orphans:
             print(f"removed orphaned shared memory: {orphans}", file=sys.stderr)
-
-
-def remove_orphaned_shm(before: set[str]) -> list[str]:
-    """Shared-memory files that appeared during the run, that no process maps any more and that look
-    like Python multiprocessing's (``psm_*``, ``sem.mp-*``: vLLM's queues when a process was killed)."""
-    new = [
-        path
-        for path in Path("/dev/shm").iterdir()
-        if path.name not in before and path.name.startswith(("psm_", "sem.mp-"))
-    ]
-    if not new:
-        return []
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            mapped.update(name for name in (p.name for p in new) if name in maps.read_text())
-    removed = []
-    for path in new:
-        if path.name not in mapped:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
 
 
 def remove_shim_files(engine_ids: list[str]) -> list[str]:

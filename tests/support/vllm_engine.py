@@ -412,6 +412,28 @@ def remove_shm_files(pid: int) -> list[Path]:
     return removed
 
 
+def remove_orphaned_shm(before: set[str]) -> list[str]:
+    """Shared-memory files that appeared during the run, that no process maps any more and that look
+    like Python multiprocessing's (``psm_*``, ``sem.mp-*``: vLLM's queues when a process was killed)."""
+    new = [
+        path
+        for path in Path("/dev/shm").iterdir()
+        if path.name not in before and path.name.startswith(("psm_", "sem.mp-"))
+    ]
+    if not new:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(name for name in (p.name for p in new) if name in maps.read_text())
+    removed = []
+    for path in new:
+        if path.name not in mapped:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
 def remove_engine_shm_files(engine_id: str) -> list[Path]:
     """Remove every KV file the shim made for ``engine_id`` (any rank, any process)."""
     removed = []
