@@ -80,6 +80,7 @@ from tests.support.vllm_engine import (  # noqa: E402
     free_port,
     remove_engine_shm_files,
     remove_orphaned_shm,
+    sidecar_kv_transfer_config,
 )
 
 # The model: 2 (K, V) x 4 KV heads x 64 dims x 4 bytes x 8 layers = 16 KiB of KV per token.
@@ -469,14 +470,8 @@ class Bench:
         if config.connector == "none":
             return None
         if config.connector == "sidecar":
-            return {
-                "kv_connector": "SidecarConnector",
-                "kv_connector_module_path": "engine_shim.vllm_connector",
-                "kv_role": role,
-                "engine_id": engine_id,
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"sidecar_socket": str(socket_path), "transfer_mode": config.mode},
-            }
+            assert socket_path is not None
+            return sidecar_kv_transfer_config(engine_id, role, socket_path, {"transfer_mode": config.mode})
         return {
             "kv_connector": config.connector,
             "kv_role": role,

@@ -40,6 +40,7 @@ from tests.support.vllm_engine import (
     free_port,
     remove_engine_shm_files,
     remove_orphaned_shm,
+    sidecar_kv_transfer_config,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -346,23 +347,13 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
     token = cluster.token
     prefill_id, decode_id = f"srv-prefill-{token}", f"srv-decode-{token}"
 
-    def kv_config(engine_id: str, role: str, sidecar: SidecarProcess) -> dict[str, Any]:
-        return {
-            "kv_connector": "SidecarConnector",
-            "kv_connector_module_path": "engine_shim.vllm_connector",
-            "kv_role": role,
-            "engine_id": engine_id,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"sidecar_socket": str(sidecar.socket)},
-        }
-
     servers = [
         VllmServer(
             cluster.workdir,
             "prefill",
             cluster.model,
             cpu=0,
-            kv_transfer_config=kv_config(prefill_id, "kv_producer", cluster.a),
+            kv_transfer_config=sidecar_kv_transfer_config(prefill_id, "kv_producer", cluster.a.socket),
             extra_env=STATS_EVERY_SECOND,
         ),
         VllmServer(
@@ -370,7 +361,7 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
             "decode",
             cluster.model,
             cpu=1,
-            kv_transfer_config=kv_config(decode_id, "kv_consumer", cluster.b),
+            kv_transfer_config=sidecar_kv_transfer_config(decode_id, "kv_consumer", cluster.b.socket),
             extra_env=STATS_EVERY_SECOND,
         ),
     ]

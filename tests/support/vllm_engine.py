@@ -44,6 +44,20 @@ from sidecar.launcher import kill_group
 from tests.support.processes import python_env
 
 
+def sidecar_kv_transfer_config(
+    engine_id: str, role: str, socket_path: str | Path, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for the SidecarConnector, as a user writes it (README)."""
+    return {
+        "kv_connector": "SidecarConnector",
+        "kv_connector_module_path": "engine_shim.vllm_connector",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"sidecar_socket": str(socket_path), **(extra or {})},
+    }
+
+
 def _emit(payload: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(payload) + "\n")
     sys.stdout.flush()
@@ -76,16 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kv_transfer_config = None
     if args.sidecar_socket:
-        extra = {"sidecar_socket": args.sidecar_socket, "transfer_mode": args.transfer_mode}
-        extra.update(json.loads(args.extra))
-        kv_transfer_config = {
-            "kv_connector": "SidecarConnector",
-            "kv_connector_module_path": "engine_shim.vllm_connector",
-            "kv_role": args.role,
-            "engine_id": args.engine_id,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
+        extra = {"transfer_mode": args.transfer_mode, **json.loads(args.extra)}
+        kv_transfer_config = sidecar_kv_transfer_config(args.engine_id, args.role, args.sidecar_socket, extra)
     started = time.monotonic()
     llm = LLM(
         model=args.model,
