@@ -21,6 +21,24 @@ def kv(path: Path, layers: int = LAYERS, blocks: int = BLOCKS, block_len: int = 
     return np.memmap(path, dtype=np.uint8, mode="r", shape=(layers, blocks, block_len))
 
 
+def start_pull(
+    consumer: EngineProcess,
+    producer: EngineProcess,
+    request_id: str,
+    d_blocks: list[int],
+    p_request: str,
+    p_blocks: list[int],
+) -> dict:
+    """D's Pull of P's request ``p_request`` (one KV cache group); returns the engine's reply."""
+    remote = {
+        "address": producer.peer_address,
+        "engine_id": producer.engine_id,
+        "request_id": p_request,
+        "blocks": [p_blocks],
+    }
+    return consumer.command("pull", request_id=request_id, blocks=[d_blocks], remote=remote)
+
+
 def pull_and_wait(
     producer: EngineProcess,
     consumer: EngineProcess,
@@ -30,17 +48,7 @@ def pull_and_wait(
     timeout: float = 30.0,
 ) -> list[dict]:
     assert producer.command("submit", request_id=request, blocks=[p_blocks])["ok"]
-    reply = consumer.command(
-        "pull",
-        request_id=f"{request}-d",
-        blocks=[d_blocks],
-        remote={
-            "address": producer.peer_address,
-            "engine_id": producer.engine_id,
-            "request_id": request,
-            "blocks": [p_blocks],
-        },
-    )
+    reply = start_pull(consumer, producer, f"{request}-d", d_blocks, request, p_blocks)
     assert reply["ok"], reply
     return consumer.wait_event(f"{request}-d", timeout)
 
@@ -95,12 +103,7 @@ def test_pull_many_requests_byte_for_byte(pair) -> None:
 def test_full_prefix_hit_reads_nothing_and_still_frees_p(pair) -> None:
     producer, consumer, _ = pair
     assert producer.command("submit", request_id="full-hit", blocks=[[1, 2, 3]], lease_seconds=60)["ok"]
-    reply = consumer.command(
-        "pull",
-        request_id="full-hit-d",
-        blocks=[[]],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "full-hit", "blocks": [[1, 2, 3]]},
-    )
+    reply = start_pull(consumer, producer, "full-hit-d", [], "full-hit", [1, 2, 3])
     assert reply["ok"], reply
     assert consumer.wait_event("full-hit-d", 10)[0]["event"] == "FINISHED_RECEIVING"
     assert producer.wait_event("full-hit", 10)[0]["event"] == "FINISHED_SENDING"
@@ -174,12 +177,7 @@ def test_keep_alive_learns_when_p_lost_the_request_and_the_pull_fails_without_re
             return not client.keep_alive("D", "gone-d", remote(producer.peer_address, "P", "gone")).producer_holds
 
         wait_until(lost, 5, 0.1, "D learns that P dropped the request")
-    reply = consumer.command(
-        "pull",
-        request_id="gone-d",
-        blocks=[[9]],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "gone", "blocks": [[3]]},
-    )
+    reply = start_pull(consumer, producer, "gone-d", [9], "gone", [3])
     assert reply["ok"]
     event = consumer.wait_event("gone-d", 5)[0]
     assert event["event"] == "LOAD_FAILED" and "no longer holds" in event["reason"]
@@ -198,17 +196,7 @@ def test_p_sidecar_killed_then_restarted(sidecars, engines) -> None:
     assert producer.command("submit", request_id="doomed", blocks=[list(range(10, 40))])["ok"]
     p_side.kill()
     started = time.monotonic()
-    reply = consumer.command(
-        "pull",
-        request_id="doomed-d",
-        blocks=[list(range(50, 80))],
-        remote={
-            "address": producer.peer_address,
-            "engine_id": "P",
-            "request_id": "doomed",
-            "blocks": [list(range(10, 40))],
-        },
-    )
+    reply = start_pull(consumer, producer, "doomed-d", list(range(50, 80)), "doomed", list(range(10, 40)))
     assert reply["ok"]
     event = consumer.wait_event("doomed-d", 15)[0]
     elapsed = time.monotonic() - started
@@ -238,12 +226,7 @@ def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars,
     assert pull_and_wait(producer, consumer, "warm", [0], [0])[0]["event"] == "FINISHED_RECEIVING"
     blocks = list(range(1, 64))
     assert producer.command("submit", request_id="big", blocks=[blocks])["ok"]
-    reply = consumer.command(
-        "pull",
-        request_id="big-d",
-        blocks=[blocks],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "big", "blocks": [blocks]},
-    )
+    reply = start_pull(consumer, producer, "big-d", blocks, "big", blocks)
     assert reply["ok"]
     p_side.kill()
     started = time.monotonic()
@@ -288,12 +271,7 @@ def test_a_pull_after_the_producer_freed_its_blocks_reads_nothing(sidecars, engi
     assert producer.wait_event("stale", 10)[0]["event"] == "LEASE_EXPIRED"
     events = pull_and_wait(producer, consumer, "stale-again", [1, 2], [5, 6])  # a fresh submit still works
     assert events[0]["event"] == "FINISHED_RECEIVING"
-    reply = consumer.command(
-        "pull",
-        request_id="stale-d",
-        blocks=[[7, 8]],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "stale", "blocks": [[1, 2]]},
-    )
+    reply = start_pull(consumer, producer, "stale-d", [7, 8], "stale", [1, 2])
     assert reply["ok"]
     event = consumer.wait_event("stale-d", 10)[0]
     assert event["event"] == "LOAD_FAILED" and "no longer holds" in event["reason"]
@@ -323,12 +301,7 @@ def test_a_pull_that_overtakes_the_producers_submit_waits_for_it(sidecars, engin
     producer = engines(p_side, "P", "producer")
     consumer = engines(d_side, "D", "consumer")
     assert producer.command("fill", blocks=[4, 5], seed=8)["ok"]
-    reply = consumer.command(
-        "pull",
-        request_id="early-d",
-        blocks=[[10, 11]],
-        remote={"address": producer.peer_address, "engine_id": "P", "request_id": "early", "blocks": [[4, 5]]},
-    )
+    reply = start_pull(consumer, producer, "early-d", [10, 11], "early", [4, 5])
     assert reply["ok"]
     time.sleep(0.4)
     assert consumer.events_for("early-d") == [], "the pull must not give up while P's submit is on the way"

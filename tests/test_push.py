@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.processes import EngineProcess, SidecarProcess, wait_until
-from tests.test_pull import kv
+from tests.test_pull import kv, start_pull
 
 LAYERS, BLOCKS, BLOCK_LEN = 2, 128, 4096
 PUSH = 2  # common_pb2.TRANSFER_MODE_PUSH
@@ -246,12 +246,7 @@ def test_heterogeneous_tp_moves_each_ranks_heads(sidecars, engines, mode: str, p
     p_blocks, d_blocks = [3, 4, 9], [20, 21, 25]
     if mode == "pull":
         assert producer.command("submit", request_id="h-p", blocks=[p_blocks])["ok"]
-        assert consumer.command(
-            "pull",
-            request_id="h-d",
-            blocks=[d_blocks],
-            remote={"address": producer.peer_address, "engine_id": "P", "request_id": "h-p", "blocks": [p_blocks]},
-        )["ok"]
+        assert start_pull(consumer, producer, "h-d", d_blocks, "h-p", p_blocks)["ok"]
     else:
         expect(consumer, producer, "h-d", d_blocks, transfer_id="t-h")
         assert producer.command("submit", request_id="h-p", blocks=[p_blocks], transfer_id="t-h", mode=PUSH)["ok"]
@@ -306,8 +301,7 @@ def test_a_draining_producer_sidecar_serves_blocks_it_holds_then_exits(sidecars,
     if mode == "push":
         assert expect(consumer, producer, "drain-d", [10, 11, 12], transfer_id="t-drain")["registered"]
     else:
-        remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "drain-p", "blocks": [[3, 4, 5]]}
-        assert consumer.command("pull", request_id="drain-d", blocks=[[10, 11, 12]], remote=remote)["ok"]
+        assert start_pull(consumer, producer, "drain-d", [10, 11, 12], "drain-p", [3, 4, 5])["ok"]
     assert consumer.wait_event("drain-d", 10)[0]["event"] == "FINISHED_RECEIVING"
     sent = producer.wait_event("drain-p", 10)[0]
     assert sent["event"] == "FINISHED_SENDING" and "shutting down" not in sent.get("reason", ""), sent
