@@ -45,6 +45,8 @@ log = get_logger("kvsidecar.node")
 
 # After serving a handshake, poll NIXL this long so the caller's agents can connect to ours.
 _HANDSHAKE_WARM_SECONDS = 5.0
+# Peer calls that may wait at once for an engine to register (await_engine); more fail at once.
+_MAX_ARRIVAL_WAITERS = 256
 
 
 class _StreamClosed:
@@ -73,6 +75,9 @@ class Node:
         self.draining = False
         self._agent_counter = itertools.count()
         self._tasks: dict[asyncio.Task[Any], tuple[str, ...]] = {}
+        # Notified whenever a worker registers: peers' calls waiting for an engine that is starting.
+        self._arrivals = asyncio.Condition()
+        self._arrival_waiters = 0
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -244,6 +249,8 @@ class Node:
             self.settings.worker_attach_timeout_seconds, self._attach_timeout, worker
         )
         self._update_registration_gauges()
+        async with self._arrivals:
+            self._arrivals.notify_all()
         log.info(
             "worker_registered",
             worker=worker.worker_id,
@@ -456,9 +463,38 @@ class Node:
                 "upgrade the older sidecar"
             )
         await self.peers.note_caller(request.caller)
+        await self.await_engine(request.engine_id)
         engine = self._handshake_engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
         self.transport.warm(_HANDSHAKE_WARM_SECONDS)
         return peer_pb2.HandshakeResponse(sidecar=self.sidecar_info(), engine=engine.descriptor())
+
+    async def await_engine(self, engine_id: str) -> None:
+        """Arrivals out of order: a peer's call may name an engine of ours that is still starting
+        or restarting (its RegisterWorker not here yet, or not all its workers). Wait for it to be
+        complete, bounded by ``engine_arrival_wait_seconds`` (and by 80 % of the peer call
+        deadline, so the caller gets our answer rather than its own timeout); then the caller's
+        lookup answers as before. At most ``_MAX_ARRIVAL_WAITERS`` calls wait at once, so callers
+        naming engines that never come cannot pile up."""
+
+        def arrived() -> bool:
+            engine = self.registry.engines.get(engine_id)
+            return engine is not None and engine.complete
+
+        wait = min(self.settings.engine_arrival_wait_seconds, 0.8 * self.settings.peer_call_timeout_seconds)
+        if arrived() or wait <= 0 or self.draining or self._arrival_waiters >= _MAX_ARRIVAL_WAITERS:
+            return
+        self._arrival_waiters += 1
+        started = time.monotonic()
+        try:
+            async with self._arrivals:
+                await asyncio.wait_for(self._arrivals.wait_for(arrived), wait)
+            log.info(
+                "engine_arrived_while_peer_waited", engine_id=engine_id, waited_s=round(time.monotonic() - started, 3)
+            )
+        except TimeoutError:
+            log.info("engine_did_not_arrive", engine_id=engine_id, waited_s=round(wait, 3))
+        finally:
+            self._arrival_waiters -= 1
 
     def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView:
         """A local engine as the other side of a same-node transfer (no handshake, no cache)."""

@@ -187,6 +187,7 @@ class ProducerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
         )
+        await node.await_engine(request.prefill_engine_id)
         engine = node.registry.engines.get(request.prefill_engine_id)
         if engine is None:
             raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
@@ -227,6 +228,7 @@ class ProducerSide:
     async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
+        await node.await_engine(request.engine_id)  # a consumer may ask before our engine registered
         unknown = []
         extension = node.settings.lease_extension_seconds
         now = time.monotonic()
