@@ -40,17 +40,20 @@ from tests.support.fuzzing import (
 from tests.support.processes import EngineProcess, SidecarProcess
 from tests.test_pull import kv, pull_and_wait
 
-pytestmark = pytest.mark.fuzz
-WITNESS = "witness"  # a second engine, never named by fuzzed messages: it proves the sidecar still moves KV
-
 PROFILES = {"ci": 100, "full": 10_000}
 PROFILE = os.environ.get("KVSIDECAR_FUZZ_PROFILE", "ci")
 EXAMPLES = PROFILES[PROFILE]
+pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(3600 if PROFILE == "full" else 300)]
+WITNESS = "witness"  # a second engine, never named by fuzzed messages: it proves the sidecar still moves KV
+
 # Short bounds so whatever a valid-looking message starts ends within seconds.
 SETTINGS = {
     "lease_seconds": 3, "worker_attach_timeout_seconds": 2, "peer_call_timeout_seconds": 1,
     "producer_unknown_grace_seconds": 0.5, "push_registration_timeout_seconds": 3, "transfer_timeout_seconds": 3,
     "hold_ttl_seconds": 3,
+    # Calls naming engines that never register wait this long for them (the path is exercised; a
+    # longer wait would only slow the campaign down).
+    "engine_arrival_wait_seconds": 0.02,
 }  # fmt: skip
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
