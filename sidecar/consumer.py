@@ -22,13 +22,15 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
-from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
+from sidecar.config import split_host_port
+from sidecar.errors import FailedPrecondition, InvalidArgument, PermissionDenied, SidecarError
 from sidecar.logs import get_logger
 from sidecar.notices import NoticeTally
 from sidecar.peers import normalize_address
 from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
 from sidecar.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
+from sidecar.tls import covers
 
 if TYPE_CHECKING:
     from sidecar.node import Node
@@ -231,12 +233,24 @@ class ConsumerSide:
 
     # --- PeerService --------------------------------------------------------------------------
 
-    async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse:
+    async def handle_transfer_failed(
+        self, request: peer_pb2.TransferFailedRequest, identity: str = ""
+    ) -> peer_pb2.TransferFailedResponse:
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         pending = self.requests.get((request.engine_id, request.request_id))
         if pending is None or not pending.is_push:
             return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=False)
+        # With mTLS only the producer may fail its push: a certificate valid for the address the
+        # consumer registered with (tls.py).
+        host = split_host_port(pending.remote.address, "address")[0] if pending.remote.address else ""
+        if identity and host and not covers(identity, host):
+            log.warning("peer_refused", action="TransferFailed", request=f"{request.engine_id}/{request.request_id}",
+                        peer_identity=identity, producer=pending.remote.address)  # fmt: skip
+            raise PermissionDenied(
+                f"TransferFailed: request {request.engine_id}/{request.request_id} is a push from "
+                f"{pending.remote.address}; certificate {identity!r} is not valid for {host}"
+            )
         self._fail(pending, f"producer reported: {request.reason}", reason_label="producer_failed")
         return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=True)
 

@@ -46,6 +46,7 @@ class Registration:
     transfer_id: str
     prefill_request_id: str  # empty when the consumer does not know it
     payload: Any = field(default=None, compare=False)
+    identity: str = field(default="", compare=False)  # the registering peer's certificate (mTLS)
 
     @property
     def key(self) -> tuple[str, str]:

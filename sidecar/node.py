@@ -39,6 +39,7 @@ from sidecar.peers import PeerDirectory
 from sidecar.planning import RegionLayout, WorkerLayout
 from sidecar.producer import ProducerRequest, ProducerSide
 from sidecar.registry import Engine, Registry, Worker, worker_id
+from sidecar.tls import TlsFiles
 from sidecar.transport import NixlTransport, TransferResult
 
 log = get_logger("kvsidecar.node")
@@ -65,8 +66,13 @@ class Node:
         self.metrics = metrics or SidecarMetrics(self.transport.nixl_version)
         self.memory = MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
         self.registry = Registry()
+        self.tls: TlsFiles | None = None
+        if settings.peer_tls_cert and settings.peer_tls_key and settings.peer_tls_ca:
+            self.tls = TlsFiles(settings.peer_tls_cert, settings.peer_tls_key, settings.peer_tls_ca)
         self.cache = CacheIndex()
-        self.peers = PeerDirectory(settings, self, self.sidecar_info, self._unload_peer_agents, self.metrics)
+        self.peers = PeerDirectory(
+            settings, self, self.sidecar_info, self._unload_peer_agents, self.metrics, tls=self.tls
+        )
         self.dataplane = DataPlane(self.transport, self.sidecar_id)
         self.producer = ProducerSide(self)
         self.consumer = ConsumerSide(self)
@@ -523,11 +529,16 @@ class Node:
                 f"{who} {their_hash}; the engines differ in model, dtype, KV layout factors or versions"
             )
 
-    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
-        return await self.producer.handle_push_reg(request)
+    # ``identity`` (here and below): the caller's certificate names with mTLS, "" without (a
+    # plaintext port, the local Unix socket, or this sidecar calling itself); see tls.py.
 
-    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
-        return await self.producer.handle_heartbeat(request)
+    async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
+        return await self.producer.handle_push_reg(request, identity)
+
+    async def handle_heartbeat(
+        self, request: peer_pb2.HeartbeatRequest, identity: str = ""
+    ) -> peer_pb2.HeartbeatResponse:
+        return await self.producer.handle_heartbeat(request, identity)
 
     async def handle_query_cache(self, request: peer_pb2.PeerQueryCacheRequest) -> peer_pb2.PeerQueryCacheResponse:
         if not request.conversation_id and not request.request_id:
@@ -553,11 +564,15 @@ class Node:
             )
         return peer_pb2.PeerQueryCacheResponse(sidecar_id=self.sidecar_id, entries=entries)
 
-    async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse:
-        return await self.consumer.handle_transfer_failed(request)
+    async def handle_transfer_failed(
+        self, request: peer_pb2.TransferFailedRequest, identity: str = ""
+    ) -> peer_pb2.TransferFailedResponse:
+        return await self.consumer.handle_transfer_failed(request, identity)
 
-    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
-        return await self.producer.handle_release(request)
+    async def handle_release(
+        self, request: peer_pb2.PeerReleaseRequest, identity: str = ""
+    ) -> peer_pb2.PeerReleaseResponse:
+        return await self.producer.handle_release(request, identity)
 
     # --- transport callbacks --------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""PeerService servicer: a thin adapter from gRPC to the node's peer handlers."""
+"""PeerService servicer: a thin adapter from gRPC to the node's peer handlers. Calls that act on
+a transfer carry the caller's certificate identity (mTLS) so the core can check the caller is a
+party to it."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import grpc
 
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from sidecar.node import Node
+from sidecar.tls import peer_identity
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -20,12 +23,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def PushReg(
         self, request: peer_pb2.PushRegRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PushRegResponse:
-        return await self._node.handle_push_reg(request)
+        return await self._node.handle_push_reg(request, peer_identity(context))
 
     async def Heartbeat(
         self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HeartbeatResponse:
-        return await self._node.handle_heartbeat(request)
+        return await self._node.handle_heartbeat(request, peer_identity(context))
 
     async def QueryCache(
         self, request: peer_pb2.PeerQueryCacheRequest, context: grpc.aio.ServicerContext
@@ -35,9 +38,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def TransferFailed(
         self, request: peer_pb2.TransferFailedRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.TransferFailedResponse:
-        return await self._node.handle_transfer_failed(request)
+        return await self._node.handle_transfer_failed(request, peer_identity(context))
 
     async def Release(
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
-        return await self._node.handle_release(request)
+        return await self._node.handle_release(request, peer_identity(context))

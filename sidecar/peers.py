@@ -27,6 +27,7 @@ from sidecar.dataplane import EngineView, view_from_descriptor
 from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SidecarError, Unavailable
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
+from sidecar.tls import TlsFiles
 
 log = get_logger("kvsidecar.peers")
 
@@ -88,8 +89,11 @@ class PeerDirectory:
         self_info: Callable[[], common_pb2.SidecarInfo],
         on_peer_restart: Callable[[str, list[str]], Awaitable[None]],
         metrics: SidecarMetrics,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._settings = settings
+        self._tls = tls
+        self._tls_generation = 0
         self._local = local
         self._self_info = self_info
         self._on_peer_restart = on_peer_restart
@@ -238,6 +242,16 @@ class PeerDirectory:
         state.sidecar_id = sidecar_id
 
     def _channel(self, address: str) -> tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]:
+        if self._tls is not None and self._tls.client_generation() != self._tls_generation:
+            # Rotated certificates: new channels present the new ones. Old channels close once
+            # calls on them had their deadline.
+            self._tls_generation = self._tls.client_generation()
+            stale = [channel for channel, _ in self._channels.values()]
+            self._channels.clear()
+            if stale:
+                asyncio.get_running_loop().call_later(
+                    self._settings.peer_call_timeout_seconds + 1.0, _close_later, stale
+                )
         entry = self._channels.get(address)
         if entry is None:
             options = [
@@ -248,14 +262,8 @@ class PeerDirectory:
                 # Reconnect quickly after a peer restarts instead of backing off for minutes.
                 ("grpc.max_reconnect_backoff_ms", 2_000),
             ]
-            if self._settings.tls_enabled:
-                assert self._settings.peer_tls_ca and self._settings.peer_tls_key and self._settings.peer_tls_cert
-                credentials = grpc.ssl_channel_credentials(
-                    root_certificates=self._settings.peer_tls_ca.read_bytes(),
-                    private_key=self._settings.peer_tls_key.read_bytes(),
-                    certificate_chain=self._settings.peer_tls_cert.read_bytes(),
-                )
-                channel = grpc.aio.secure_channel(address, credentials, options=options)
+            if self._tls is not None:
+                channel = grpc.aio.secure_channel(address, self._tls.channel_credentials(), options=options)
             else:
                 channel = grpc.aio.insecure_channel(address, options=options)
             entry = (channel, peer_pb2_grpc.PeerServiceStub(channel))
@@ -297,6 +305,16 @@ class PeerDirectory:
         for channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()
+
+
+_closing: set[asyncio.Future[None]] = set()
+
+
+def _close_later(channels: list[grpc.aio.Channel]) -> None:
+    for channel in channels:
+        closing = asyncio.ensure_future(channel.close(grace=None))
+        _closing.add(closing)
+        closing.add_done_callback(_closing.discard)
 
 
 def _responder_id(response: Any) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
-from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
+from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SidecarError
 from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.notices import NoticeTally
@@ -52,6 +52,9 @@ class ProducerRequest:
     lease_ended: bool = False
     held: bool = False
     bytes_moved: int = 0
+    # The consumer's certificate identity (mTLS): from its push registration, or the first peer
+    # that heartbeats or releases a pull. Other peers may not act on the request.
+    peer_identity: str = ""
 
     @property
     def key(self) -> RequestKey:
@@ -174,7 +177,23 @@ class ProducerSide:
 
     # --- PeerService --------------------------------------------------------------------------
 
-    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
+    def _authorize(self, holder: ProducerRequest | Registration, identity: str, action: str, what: str) -> None:
+        """With mTLS, only the peer that is a party to a transfer may act on it (tls.py). The first
+        authenticated peer to act on a pull claims it; a push is claimed by its registration."""
+        if not identity:
+            return
+        current = holder.peer_identity if isinstance(holder, ProducerRequest) else holder.identity
+        if not current:
+            if isinstance(holder, ProducerRequest):
+                holder.peer_identity = identity
+            return
+        if current != identity:
+            log.warning("peer_refused", action=action, request=what, peer_identity=identity, party=current)
+            raise PermissionDenied(
+                f"{action}: {what} belongs to the peer with certificate {current!r}, not {identity!r}"
+            )
+
+    async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
         node = self._node
         validation.identifier(request.prefill_engine_id, "prefill_engine_id")
         validation.identifier(request.decode_engine_id, "decode_engine_id")
@@ -200,7 +219,13 @@ class ProducerSide:
         node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
         node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
         reg_key = (request.decode_engine_id, request.request_id)
-        if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
+        what = f"push registration {request.decode_engine_id}/{request.request_id}"
+        existing = self.matcher.find_registration(reg_key)
+        if existing is not None:
+            self._authorize(existing, identity, "PushReg", what)
+        elif reg_key in self._pushing and self._pushing[reg_key] in self.requests:
+            self._authorize(self.requests[self._pushing[reg_key]], identity, "PushReg", what)
+        if reg_key in self._pushing or existing is not None:
             # A repeated registration: the first one is already matched or waiting.
             return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=reg_key in self._pushing)
         registration = Registration(
@@ -210,6 +235,7 @@ class ProducerSide:
             transfer_id=request.transfer_id,
             prefill_request_id=request.prefill_request_id,
             payload=(request, blocks),
+            identity=identity,
         )
         if self.matcher.submission_matching(registration) is None:
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
@@ -225,7 +251,9 @@ class ProducerSide:
         self._update_gauges()
         return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=True)
 
-    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
+    async def handle_heartbeat(
+        self, request: peer_pb2.HeartbeatRequest, identity: str = ""
+    ) -> peer_pb2.HeartbeatResponse:
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
         await node.await_engine(request.engine_id)  # a consumer may ask before our engine registered
@@ -237,6 +265,7 @@ class ProducerSide:
                 raise InvalidArgument(f"requests[{index}]", "names no request")
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None:
+                self._authorize(pending, identity, "Heartbeat", f"request {request.engine_id}/{pending.request_id}")
                 if not pending.held:
                     self.leases.extend(pending.key, now + extension)
                 continue
@@ -247,7 +276,9 @@ class ProducerSide:
             unknown.append(key)
         return peer_pb2.HeartbeatResponse(sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension)
 
-    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
+    async def handle_release(
+        self, request: peer_pb2.PeerReleaseRequest, identity: str = ""
+    ) -> peer_pb2.PeerReleaseResponse:
         """A consumer is done with a request (consumed it, or gave up on it)."""
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
@@ -256,6 +287,7 @@ class ProducerSide:
             request.engine_id, request.transfer_id, request.consumer_request_id
         )
         if registration is not None:
+            self._authorize(registration, identity, "Release", f"push registration {'/'.join(registration.key)}")
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
             self._update_gauges()
@@ -267,6 +299,7 @@ class ProducerSide:
                     pending = self.requests.get(producer_key)
         if pending is None:
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=False)
+        self._authorize(pending, identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
         if pending.writing:
             pending.lease_ended = True
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True, in_flight=True)
@@ -291,6 +324,7 @@ class ProducerSide:
     def _start_push(self, pending: ProducerRequest, registration: Registration) -> None:
         request, blocks = registration.payload
         self._registration_deadlines.cancel(registration.key)
+        pending.peer_identity = registration.identity or pending.peer_identity
         pending.writing = True
         self._pushing[registration.key] = pending.key
         self._node.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])

@@ -244,14 +244,9 @@ class SidecarServer:
         reflection.enable_server_reflection(
             [PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
         )
-        if settings.tls_enabled:
-            assert settings.peer_tls_key and settings.peer_tls_cert and settings.peer_tls_ca
-            credentials = grpc.ssl_server_credentials(
-                [(settings.peer_tls_key.read_bytes(), settings.peer_tls_cert.read_bytes())],
-                root_certificates=settings.peer_tls_ca.read_bytes(),
-                require_client_auth=True,
-            )
-            self.peer_port = self.peer_server.add_secure_port(settings.peer_listen, credentials)
+        if node.tls is not None:
+            # Re-reads the files when they change: rotated certificates need no restart (tls.py).
+            self.peer_port = self.peer_server.add_secure_port(settings.peer_listen, node.tls.server_credentials())
         else:
             self.peer_port = self.peer_server.add_insecure_port(settings.peer_listen)
         if self.peer_port == 0:
