@@ -291,6 +291,8 @@ class ConsumerSide:
                 node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
                 node.settings.peer_call_timeout_seconds,
             )
+            if self.requests.get(pending.key) is not pending:
+                return  # ended during the handshake (released, or failed): nothing may be read now
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(remote_blocks, pending.local_blocks)
@@ -413,6 +415,10 @@ class ConsumerSide:
         the producer dropped it, or never knew it within the grace period."""
         delay = 0.002
         while True:
+            if self.requests.get(pending.key) is not pending:
+                # Ended meanwhile (the heartbeat loop judged it lost, or a Release): its engine was
+                # told, and may have reused the blocks. Never read into them now.
+                raise ProducerLost("the request ended while its producer was being asked")
             unknown = await self._heartbeat(
                 pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True, judge=False
             )

@@ -96,3 +96,27 @@ def wait_unregistered(sidecar: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_a_pull_that_gave_up_waiting_never_reads_later(sidecars, engines) -> None:
+    """D's Pull overtook P's SubmitBlocks and gave up after the grace (LOAD_FAILED: D's engine
+    reuses the blocks). P's SubmitBlocks arriving afterwards must not be read into them."""
+    p_side = sidecars("p", args=["--set", "engine_arrival_wait_seconds=0"])
+    d_side = sidecars("d", args=["--set", "producer_unknown_grace_seconds=0.5",
+                                 "--set", "heartbeat_interval_seconds=0.02"])  # fmt: skip
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    for attempt in range(3):  # the race between D's heartbeat loop and its pull: a few tries
+        request = f"gave-up-{attempt}"
+        reply = consumer.command(
+            "pull", request_id=f"{request}-d", blocks=[D_BLOCKS], remote=_remote(p_side.address, request)
+        )
+        assert reply["ok"], reply
+        event = consumer.wait_event(f"{request}-d", 10)[0]
+        assert event["event"] == "LOAD_FAILED", event
+        assert consumer.command("fill", blocks=D_BLOCKS, seed=70 + attempt)["ok"]  # D reuses its blocks
+        reused = np.array(kv(consumer.buffers[0], 2, 64, 4096)[:, D_BLOCKS])
+        assert producer.command("fill", blocks=BLOCKS, seed=80 + attempt)["ok"]
+        assert producer.command("submit", request_id=request, blocks=[BLOCKS], lease_seconds=1)["ok"]
+        assert producer.wait_event(request, 10)[0]["event"] == "LEASE_EXPIRED"  # nobody read it
+        assert np.array_equal(kv(consumer.buffers[0], 2, 64, 4096)[:, D_BLOCKS], reused), "a late READ landed"

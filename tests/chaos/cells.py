@@ -300,13 +300,14 @@ class Run:
                     continue
                 event = self._terminal(engine, request, kinds)
                 if event is not None:
-                    got[role] = (event["event"], time.monotonic() - self.fault_at)
+                    got[role] = (event["event"], event["received_at"] - self.fault_at)
                     if event["event"] != "FINISHED_RECEIVING":  # the engine reuses its blocks at once
-                        engine.command("fill", blocks=blocks, seed=REUSE_SEED)
+                        assert engine.command("fill", blocks=blocks, seed=REUSE_SEED)["ok"]
                     elif role == "dest":
                         self.received = view(engine, blocks)
                 elif self._stream_closed(engine):
-                    got[role] = ("STREAM_CLOSED", time.monotonic() - self.fault_at)
+                    closed = next(e for e in list(engine.events) if e.get("event") == "STREAM_CLOSED")
+                    got[role] = ("STREAM_CLOSED", closed["received_at"] - self.fault_at)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.02)
@@ -348,7 +349,10 @@ class Run:
             and live
             and not np.array_equal(view(self.dest, DEST_BLOCKS), expected(DEST_BLOCKS, REUSE_SEED))
         ):
-            verdict.problems.append("a late transfer overwrote the destination's reused blocks")
+            failure = self._terminal(self.dest, self.dest_request, {"LOAD_FAILED"}) or {}
+            verdict.problems.append(
+                f"a late transfer overwrote the destination's reused blocks (it had failed: {failure.get('reason')})"
+            )
         # A destination that reported success must not have been overwritten afterwards either.
         if (
             dest_kind == "FINISHED_RECEIVING"
