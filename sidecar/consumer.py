@@ -293,6 +293,8 @@ class ConsumerSide:
                 # blocks we name are the request's own. This call also reveals a restarted producer
                 # sidecar before its stale handshake is used. A keep-alive usually did it already.
                 await self._confirm_held(pending)
+                if self.requests.get(pending.key) is not pending:
+                    return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             view = await asyncio.wait_for(
                 node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
                 node.settings.peer_call_timeout_seconds,
@@ -324,6 +326,7 @@ class ConsumerSide:
         except ForeignBlocks as exc:
             # The producer's request is left alone: these were not its blocks to give.
             self._fail(pending, str(exc), reason_label="foreign_blocks")
+            self._foreign.pop(pending.key, None)
             return
         except (SidecarError, PlanError) as exc:
             label = "incompatible" if isinstance(exc, (FailedPrecondition, PlanError)) else "handshake"
@@ -528,11 +531,9 @@ class ConsumerSide:
                 self._foreign.pop(item_key, None)
         if judge:
             # A keep-alive's blocks are only a hint; its Pull checks them again and fails then.
-            doomed = [item for item in foreign if isinstance(item, ConsumerRequest)]
-            for item in doomed:
-                if not item.transferring and item.key in self.requests:
+            for item in foreign:
+                if isinstance(item, ConsumerRequest) and not item.transferring and item.key in self.requests:
                     self._fail(item, self._foreign[item.key], reason_label="foreign_blocks")
-        if judge:
             lost = [item for item in unknown if self._is_lost((item.engine_id, item.request_id), now)]
             self._producer_lost(
                 lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"

@@ -79,8 +79,10 @@ def test_push_reg_naming_blocks_outside_the_consumer_is_refused_and_writes_nothi
     assert status.pending_push_registrations == 0 and status.leases == 0
 
 
-def test_pull_reads_only_blocks_the_producer_submitted_for_that_request(sidecars, engines) -> None:
-    p_side, d_side = sidecars("p"), sidecars("d")
+@pytest.mark.parametrize("same_sidecar", [False, True], ids=["two_sidecars", "same_sidecar"])
+def test_pull_reads_only_blocks_the_producer_submitted_for_that_request(sidecars, engines, same_sidecar) -> None:
+    p_side = sidecars("p")
+    d_side = p_side if same_sidecar else sidecars("d")
     producer = engines(p_side, "P", "producer", layers=LAYERS, blocks=P_BLOCKS, block_len=BLOCK_LEN)
     consumer = engines(d_side, "D", "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=BLOCK_LEN)
     assert producer.command("fill", blocks=list(range(P_BLOCKS)), seed=9)["ok"]
