@@ -202,6 +202,10 @@ class ConsumerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
         )
+        known = node.peers.cached_view(request.remote.address, request.remote.engine_id)
+        problem = known.block_ids_problem(remote_blocks) if known is not None else None
+        if problem:  # else checked against the handshake before reading
+            raise InvalidArgument("remote.block_ids", problem)
         engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
         pending = self._admit(request, common_pb2.TRANSFER_MODE_PULL, local)
         if pending is None:

@@ -104,6 +104,9 @@ def test_pull_reads_only_blocks_the_producer_submitted_for_that_request(sidecars
     assert start_pull(consumer, producer, "d-own", [3, 4], "r1", [1, 2])["ok"]
     (event,) = consumer.wait_event("d-own", 30)
     assert event["event"] == "FINISHED_RECEIVING", event
+    # P's geometry is known by now: ids past its 64 blocks are refused synchronously.
+    reply = start_pull(consumer, producer, "d-far", [5], "r1", [P_BLOCKS])
+    assert not reply["ok"] and "remote.block_ids" in reply["error"] and "out of range" in reply["error"], reply
     p_kv, d_kv = (
         kv(producer.buffers[0], LAYERS, P_BLOCKS, BLOCK_LEN),
         kv(consumer.buffers[0], LAYERS, D_BLOCKS, BLOCK_LEN),
