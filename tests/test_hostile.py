@@ -262,3 +262,22 @@ def test_an_owner_locked_export_nobody_locked_is_refused_and_its_file_kept(sidec
                 os.close(fd)
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_the_peer_table_is_bounded(sidecars, engines) -> None:
+    d_side = sidecars("d", args=["--set", "max_peers=1"])
+    consumer = engines(d_side, "D", "consumer", layers=LAYERS, blocks=D_BLOCKS, block_len=BLOCK_LEN)
+    producers = []
+    for name in ("p1", "p2"):
+        side = sidecars(name)
+        producer = engines(side, name.upper(), "producer", layers=LAYERS, blocks=P_BLOCKS, block_len=BLOCK_LEN)
+        assert producer.command("submit", request_id=f"{name}-r", blocks=[[1]])["ok"]
+        producers.append(producer)
+    assert start_pull(consumer, producers[0], "from-p1", [1], "p1-r", [1])["ok"]
+    assert consumer.wait_event("from-p1", 30)[0]["event"] == "FINISHED_RECEIVING"
+    # A second peer sidecar does not fit while the first one's engine is in use.
+    assert start_pull(consumer, producers[1], "from-p2", [2], "p2-r", [1])["ok"]
+    (event,) = consumer.wait_event("from-p2", 30)
+    assert event["event"] == "LOAD_FAILED" and "max_peers=1" in event["reason"], event
+    with SidecarClient(d_side.socket) as client:
+        assert [peer.address for peer in client.status().peers] == [producers[0].peer_address]
