@@ -271,9 +271,12 @@ class ConsumerSide:
                 pending.cancelling = True
                 self._node.spawn(self._cancel_push(pending, f"released: {reason}", "released"), engines=[])
             return pending
-        self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
         if pending.transferring:
-            return pending  # the terminal event follows when the READs end
+            # The producer must keep its blocks while our READ runs: it learns of the release, and
+            # the engine of its end, once the READ is over.
+            pending.cancel_reason = f"released: {reason}"
+            return pending
+        self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
         self._fail(pending, f"released: {reason}", reason_label="released")
         return pending
 
@@ -315,35 +318,46 @@ class ConsumerSide:
             await self._tell_producer(pending, consumed=True, reason="full prefix-cache hit on the consumer")
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
+        give_up = time.monotonic() + timeout
         try:
             if self._confirmed.get(pending.key, 0.0) <= time.monotonic():
                 # The producer frees its blocks when its lease ends; reading after that would copy
                 # whatever request now owns them. Confirm (and extend) the lease first. This call
                 # also reveals a restarted producer sidecar before its stale handshake is used.
                 await self._confirm_held(pending)
-            view = await asyncio.wait_for(
-                node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
-                node.settings.peer_call_timeout_seconds,
-            )
-            local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
-            source = trim_to_tail(remote_blocks, pending.local_blocks)
-            if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
-                await self._confirm_held(pending)  # the handshake took most of the window
-            # The READ must end while the producer still holds the blocks for certain.
-            timeout = min(timeout, self._readable.get(pending.key, 0.0) - time.monotonic())
-            pending.transferring = True
-            outcome = await node.dataplane.run(
-                "READ",
-                local,
-                engine.tp_size,
-                view,
-                pending.local_blocks,
-                source,
-                target_request_id=pending.remote.request_id,
-                transfer_id=pending.transfer_id,
-                timeout=timeout,
-            )
+            for attempt in (1, 2):
+                view = await asyncio.wait_for(
+                    node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                    node.settings.peer_call_timeout_seconds,
+                )
+                local = engine.local_workers()
+                node.dataplane.check(local, engine.tp_size, view)
+                source = trim_to_tail(remote_blocks, pending.local_blocks)
+                if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
+                    await self._confirm_held(pending)  # the handshake took most of the window
+                # The READ must end while the producer still holds the blocks for certain.
+                now = time.monotonic()
+                window = min(give_up, self._readable.get(pending.key, 0.0)) - now
+                pending.transferring = True
+                outcome = await node.dataplane.run(
+                    "READ",
+                    local,
+                    engine.tp_size,
+                    view,
+                    pending.local_blocks,
+                    source,
+                    target_request_id=pending.remote.request_id,
+                    transfer_id=pending.transfer_id,
+                    timeout=window,
+                )
+                if outcome.ok or not outcome.peer_gone or attempt == 2 or pending.cancel_reason:
+                    break
+                if node.peers.is_self(address):
+                    break
+                # The producer's engine may have re-registered (new agent) since we cached its
+                # handshake: NIXL reports that as a disconnect. Handshake afresh and read once more.
+                log.info("pull_retry_after_disconnect", peer=address, engine_id=pending.remote.engine_id)
+                await node.peers.forget_engine(address, pending.remote.engine_id, "transfer from it failed")
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
             return
@@ -358,6 +372,10 @@ class ConsumerSide:
         finally:
             pending.transferring = False
         pending.bytes_moved = outcome.bytes
+        if pending.cancel_reason:
+            self._fail(pending, pending.cancel_reason, reason_label="released")
+            await self._tell_producer(pending, consumed=False, reason=pending.cancel_reason)
+            return
         if outcome.ok:
             node.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created

@@ -142,3 +142,50 @@ def test_pull_never_reports_bytes_the_producer_reused(sidecars, engines, produce
     else:
         assert received["event"] == "LOAD_FAILED" and sorted(received["failed_block_ids"]) == MOVED, received
         assert "deadline" in received["reason"], received
+
+
+# --- peers that die or restart ------------------------------------------------------------------
+
+
+def test_a_push_whose_producer_sidecar_dies_fails_within_heartbeat_periods(sidecars, engines) -> None:
+    """A dead producer sidecar refuses connections: each heartbeat counts a failure at once instead
+    of waiting out the call timeout, so D fails after heartbeat_failures_allowed periods."""
+    d_args = ["--set", "heartbeat_interval_seconds=0.5", "--set", "peer_call_timeout_seconds=4"]
+    p_side, d_side = sidecars("p"), sidecars("d", args=d_args)
+    producer = engines(p_side, "P", "producer", layers=2, blocks=16, block_len=4096)
+    consumer = engines(d_side, "D", "consumer", layers=2, blocks=16, block_len=4096)
+    assert expect(consumer, producer, "dead-d", [1, 2], transfer_id="t-dead")["registered"]
+    p_side.kill()
+    started = time.monotonic()
+    event = consumer.wait_event("dead-d", 30)[0]
+    elapsed = time.monotonic() - started
+    assert event["event"] == "LOAD_FAILED" and "stopped answering" in event["reason"], event
+    assert sorted(event["failed_block_ids"]) == [1, 2]
+    failures = [e for e in d_side.log_events() if e.get("event") == "heartbeat_failed"]
+    assert failures and all("DEADLINE_EXCEEDED" not in e["error"] for e in failures), failures
+    # Generous: 2 failures x 0.5 s periods; waiting out the 4 s call timeout each time needs > 8 s.
+    assert elapsed < 8.0
+
+
+def test_the_first_pull_after_a_producer_engine_restart_succeeds(sidecars, engines) -> None:
+    """P's engine restarts under the same sidecar (new memory, new NIXL agent). D's cached handshake
+    is stale: the READ through it fails as a disconnect, and D handshakes again and reads once more."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    small = {"layers": 2, "blocks": 16, "block_len": 4096}
+    producer = engines(p_side, "P", "producer", **small)
+    consumer = engines(d_side, "D", "consumer", **small)
+    assert producer.command("fill", blocks=[1], seed=1)["ok"]
+    assert producer.command("submit", request_id="before-p", blocks=[[1]])["ok"]
+    assert start_pull(consumer, producer, "before-d", [2], "before-p", [1])["ok"]
+    assert consumer.wait_event("before-d", 10)[0]["event"] == "FINISHED_RECEIVING"
+    producer.kill()
+    producer = engines(p_side, "P", "producer", **small)
+    assert producer.command("fill", blocks=[3], seed=2)["ok"]
+    assert producer.command("submit", request_id="after-p", blocks=[[3]])["ok"]
+    assert start_pull(consumer, producer, "after-d", [4], "after-p", [3])["ok"]
+    event = consumer.wait_event("after-d", 15)[0]
+    assert event["event"] == "FINISHED_RECEIVING", event
+    small_kv = (2, 16, 4096)
+    source = np.memmap(producer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
+    target = np.memmap(consumer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
+    assert np.array_equal(source[:, 3], target[:, 4])
