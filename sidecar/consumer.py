@@ -579,8 +579,9 @@ class ConsumerSide:
         )
         sent = time.monotonic()
         try:
-            # Not waiting for a connection: a dead peer (refused) counts as a failure at once.
-            response = await node.peers.call(address, "Heartbeat", request, wait_for_ready=False)
+            # A periodic heartbeat does not wait for a connection: a dead peer (refused) counts as a
+            # failure at once. A confirmation before a READ waits (the peer may be restarting).
+            response = await node.peers.call(address, "Heartbeat", request, wait_for_ready=raise_errors)
         except SidecarError as exc:
             if raise_errors:
                 raise
