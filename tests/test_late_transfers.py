@@ -189,3 +189,26 @@ def test_the_first_pull_after_a_producer_engine_restart_succeeds(sidecars, engin
     source = np.memmap(producer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
     target = np.memmap(consumer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
     assert np.array_equal(source[:, 3], target[:, 4])
+
+
+def test_a_consumer_engine_killed_mid_push_frees_the_producer_with_the_reason(sidecars, engines) -> None:
+    """D's engine dies while P's WRITE is due: P's blocks are freed with FINISHED_SENDING and a
+    reason that says the consumer let go, not LEASE_EXPIRED (no lease expired)."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = engines(p_side, "P", "producer", **SHAPE)
+    consumer = engines(d_side, "D", "consumer", **SHAPE)
+    assert producer.command("fill", blocks=list(range(BLOCKS)), seed=5)["ok"]
+    expect(consumer, producer, "gone-d", MOVED, transfer_id="t-gone")
+    assert producer.command("submit", request_id="gone-p", blocks=[MOVED], transfer_id="t-gone", mode=PUSH)["ok"]
+    with stopped(p_side):
+        consumer.kill()  # D's sidecar drops the engine (its memory goes) and tells P
+        wait_until(
+            lambda: any(e.get("event") == "worker_removed" for e in d_side.log_events()),
+            10,
+            0.05,
+            "D's sidecar dropping the engine",
+        )
+        time.sleep(0.3)
+    sent = producer.wait_event("gone-p", 20)[0]
+    assert sent["event"] == "FINISHED_SENDING", sent
+    assert "released by consumer" in sent["reason"] or not sent["reason"], sent
