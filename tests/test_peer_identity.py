@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from tests.chaos.cells import status
 from tests.support.pki import issue, make_ca, tls_args
 from tests.support.processes import wait_until
 from tests.test_pull import kv
@@ -109,7 +110,7 @@ def test_only_the_producer_may_fail_a_push(cluster) -> None:
 def test_a_pull_belongs_to_the_consumer_that_claimed_it(cluster) -> None:
     p_side, d_side, producer, consumer, mallory = cluster
     assert producer.command("fill", blocks=BLOCKS, seed=10)["ok"]
-    assert producer.command("submit", request_id="k", blocks=[BLOCKS], lease_seconds=60)["ok"]
+    assert producer.command("submit", request_id="k", blocks=[BLOCKS], lease_seconds=5)["ok"]
     # D keeps P's request alive before pulling: its heartbeat claims the request for D's certificate.
     with grpc.insecure_channel(f"unix:{d_side.socket}") as channel:
         engine_pb2_grpc.EngineServiceStub(channel).KeepAlive(
@@ -117,7 +118,12 @@ def test_a_pull_belongs_to_the_consumer_that_claimed_it(cluster) -> None:
                 address=p_side.address, engine_id="P", request_id="k")), timeout=10)  # fmt: skip
     heartbeat = peer_pb2.HeartbeatRequest(engine_id="P", requests=[peer_pb2.RequestKey(request_id="k")])
 
-    # (a heartbeat that went through before D's would have claimed it for mallory: D heartbeats at once)
+    # D's first heartbeat (sent at once) extends P's 5 s lease to the 20 s extension: then it is D's.
+    def extended() -> bool:
+        rows = [r for r in status(p_side).requests if r.request_id == "k"]
+        return bool(rows) and rows[0].deadline_in_seconds > 6
+
+    wait_until(extended, 5, what="D's heartbeat reached P")
     error = _refused(p_side.address, mallory, "Heartbeat", heartbeat)
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error
     assert "request P/k belongs to the peer with certificate" in error.details()
