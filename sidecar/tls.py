@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -36,6 +37,7 @@ class TlsFiles:
         self._served = self._stamp()
         self._client_stamp = self._served
         self._client_generation = 0
+        self._client_checked = 0.0
 
     def _stamp(self) -> tuple[int, ...]:
         stamps = []
@@ -75,8 +77,13 @@ class TlsFiles:
         return configuration
 
     def client_generation(self) -> int:
-        """Changes when the files changed since outgoing channels were last built."""
+        """Changes when the files changed since outgoing channels were last built (looked at
+        once a second at most: it is asked before every peer call)."""
         with self._lock:
+            now = time.monotonic()
+            if now - self._client_checked < 1.0:
+                return self._client_generation
+            self._client_checked = now
             stamp = self._stamp()
             if stamp != self._client_stamp and -1 not in stamp:
                 self._client_stamp = stamp
