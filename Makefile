@@ -31,7 +31,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm"
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
 
 run: setup

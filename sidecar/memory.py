@@ -10,7 +10,7 @@ never be handed to another mapping; a late write then fails with EFAULT instead 
 whatever the kernel would have put there.
 
 A worker's file whose export says ``owner_locked`` is removed after its worker is gone if its
-creator no longer holds its lock (``engine_shim.memory.remove_if_orphaned``): an engine killed
+creator no longer holds its lock (``kvsidecar.shm.remove_if_orphaned``): an engine killed
 with SIGKILL cannot remove its own file.
 
 VRAM: a CUDA IPC handle opened with ``cudaIpcOpenMemHandle`` (libcudart through ctypes). It is the

@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from engine_shim.memory import remove_if_orphaned
+from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import PROTOCOL_VERSION, __version__, validation
 from sidecar.cache_index import CacheIndex, HeldBlocks

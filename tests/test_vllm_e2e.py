@@ -622,8 +622,8 @@ def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_b
     and the shim's torch-shm export takes over, instead of vLLM failing to start."""
     import torch
 
-    from engine_shim.memory import remove_if_orphaned
     from engine_shim.vllm.kv_memory import ShmKvAllocation
+    from kvsidecar.shm import remove_if_orphaned
 
     allocation = ShmKvAllocation({8192}, Path("/dev/shm") / f"kvsvllm-test-{uuid.uuid4().hex[:8]}")
     with allocation:

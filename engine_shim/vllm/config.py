@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from kvsidecar.shm import SHM_DIR
 from kvsidecar.v1 import common_pb2
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
-
-SHM_DIR = Path("/dev/shm")
 
 ROLES = {
     "kv_producer": common_pb2.ENGINE_ROLE_PRODUCER,

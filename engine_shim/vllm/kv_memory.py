@@ -35,14 +35,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from vllm.logger import init_logger
 
-from engine_shim.memory import SharedBuffer, remove_if_orphaned
+from engine_shim.memory import SharedBuffer
 from engine_shim.vllm.config import SHM_DIR
+from kvsidecar.shm import VLLM_PREFIX, remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
 
 logger = init_logger(__name__)
 
-# Not "kvsidecar-": that prefix belongs to engine_shim.memory's simulated engines.
-SHM_PREFIX = "kvsvllm-"
+SHM_PREFIX = VLLM_PREFIX  # see kvsidecar.shm: not the simulated engines' prefix
 
 
 class ShmKvAllocation(TorchFunctionMode):
