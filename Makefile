@@ -33,6 +33,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -50,4 +51,4 @@ bench-vllm: setup
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache
