@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
 
-    from sidecar.launcher import DaemonProcess
+    from sidecar.tools.launcher import DaemonProcess
     from tests.support.tiny_models import build_tiny_llama
 
     workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))

@@ -2,7 +2,7 @@
 
 import random
 
-from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
 
 
 def reg(request_id: str, transfer_id: str = "", prefill_request_id: str = "", engine: str = "P") -> Registration:

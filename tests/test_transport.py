@@ -9,8 +9,9 @@ import numpy as np
 
 from engine_shim.memory import SharedBuffer
 from sidecar.config import NixlSettings
-from sidecar.planning import RegionLayout, Slice, WorkerLayout, descriptor_indices, view_descriptors
-from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent
+from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
+from sidecar.dataplane.plan.layout import RegionLayout, Slice, WorkerLayout
+from sidecar.dataplane.transport import DlistSpec, NixlTransport, RemoteAgent
 
 BLOCKS, BLOCK_LEN, LAYERS = 64, 16384, 2
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sidecar.launcher import kill_group
+from sidecar.tools.launcher import kill_group
 from tests.support.processes import python_env
 
 

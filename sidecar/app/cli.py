@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    from sidecar.server import exit_with_parent, serve
+    from sidecar.app.server import exit_with_parent, serve
 
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
@@ -102,7 +102,7 @@ def _add_status(subparsers: Any) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from sidecar.status_view import fetch_status, render_json, render_tables
+    from sidecar.tools.status_view import fetch_status, render_json, render_tables
 
     try:
         response = fetch_status(args.socket, args.requests, args.timeout)
@@ -132,7 +132,7 @@ def _add_demo(subparsers: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sidecar.demo import run_demo
+    from sidecar.tools.demo import run_demo
 
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     if not modes or any(mode not in ("push", "pull") for mode in modes):
@@ -171,7 +171,7 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from sidecar.bench import main_bench
+    from sidecar.tools.bench import main_bench
 
     return main_bench(args.json, args.png, args.quick)
 

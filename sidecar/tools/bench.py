@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from engine_shim.memory import KvLayout
-from sidecar.launcher import child_env
-from sidecar.workload import TransferPair
+from sidecar.tools.launcher import child_env
+from sidecar.tools.workload import TransferPair
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -102,7 +102,7 @@ class RawNixl:
     is what an in-engine connector does between a prefill and a decode engine)."""
 
     def __init__(self, pair: TransferPair, separate_process: bool = False) -> None:
-        from sidecar.transport import load_nixl
+        from sidecar.dataplane.transport import load_nixl
 
         api, _ = load_nixl()
         assert pair.producer is not None and pair.consumer is not None
@@ -117,7 +117,7 @@ class RawNixl:
         if separate_process:
             # The child maps the destination file itself; its addresses are what we write to.
             self.child = subprocess.Popen(
-                [sys.executable, "-m", "sidecar.bench_target", str(target.path), str(layout.total_bytes)],
+                [sys.executable, "-m", "sidecar.tools.bench_target", str(target.path), str(layout.total_bytes)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
             )  # fmt: skip
             assert self.child.stdout is not None

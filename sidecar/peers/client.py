@@ -23,7 +23,7 @@ import grpc
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
 from sidecar.config import Settings, split_host_port
-from sidecar.dataplane import EngineView, view_from_descriptor
+from sidecar.dataplane.plane import EngineView, view_from_descriptor
 from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SidecarError, Unavailable
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics

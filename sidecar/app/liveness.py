@@ -1,6 +1,6 @@
 """Whether the NIXL owner thread still takes commands.
 
-Every NIXL call runs on one owner thread (``sidecar.transport``), and NIXL has no timeouts of its
+Every NIXL call runs on one owner thread (``sidecar.dataplane.transport``), and NIXL has no timeouts of its
 own: a call that never returns (a peer that stalls UCX wire-up, a driver that hangs) would leave
 the daemon accepting requests that can only time out, while its event loop, and so its systemd
 watchdog pings and gRPC health, looked fine. ``LivenessMonitor`` sends the thread a no-op every

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
-from sidecar.leases import DeadlineHeap
+from sidecar.core.leases import DeadlineHeap
 
 K = TypeVar("K", bound=Hashable)
 

@@ -13,21 +13,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, peer_pb2
-from sidecar.planning import (
-    BlockIds,
-    Pairing,
-    PlanError,
-    RegionLayout,
-    Slice,
-    WorkerLayout,
-    check_compatible,
-    descriptor_indices,
-    expected_notifications,
-    pairings,
-    unpaired_targets,
-    view_descriptors,
-)
-from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
+from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
+from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
+from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
+from sidecar.dataplane.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 

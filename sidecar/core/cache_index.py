@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.planning import BlockIds
+from sidecar.dataplane.plan.layout import BlockIds
 
 HeldKey = tuple[str, str]  # (engine_id, request_id)
 

@@ -21,17 +21,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
-from sidecar import validation
+from sidecar.core import validation
+from sidecar.core.notices import NoticeTally
+from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
+from sidecar.core.timers import DeadlineTimer
+from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
+from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 from sidecar.logs import get_logger
-from sidecar.notices import NoticeTally
-from sidecar.peers import normalize_address
-from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
-from sidecar.registry import CONSUMER_ROLES, Engine, Worker
-from sidecar.timers import DeadlineTimer
+from sidecar.peers.client import normalize_address
 
 if TYPE_CHECKING:
-    from sidecar.node import Node
+    from sidecar.core.node import Node
 
 log = get_logger("kvsidecar.consumer")
 

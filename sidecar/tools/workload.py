@@ -25,7 +25,7 @@ from engine_shim.client import remote
 from engine_shim.memory import KvLayout
 from engine_shim.simulated import SimulatedEngine
 from kvsidecar.v1 import common_pb2, engine_pb2
-from sidecar.launcher import DaemonProcess
+from sidecar.tools.launcher import DaemonProcess
 
 POISON = 0xA5
 

@@ -20,17 +20,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
-from sidecar import validation
+from sidecar.core import validation
+from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.core.notices import NoticeTally
+from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
+from sidecar.core.timers import DeadlineTimer
+from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
+from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
 from sidecar.logs import get_logger
-from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
-from sidecar.notices import NoticeTally
-from sidecar.planning import BlockIds, PlanError, check_block_ids, trim_to_tail
-from sidecar.registry import PRODUCER_ROLES, Engine, Worker
-from sidecar.timers import DeadlineTimer
 
 if TYPE_CHECKING:
-    from sidecar.node import Node
+    from sidecar.core.node import Node
 
 log = get_logger("kvsidecar.producer")
 

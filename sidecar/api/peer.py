@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from sidecar.node import Node
+from sidecar.core.node import Node
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar import PROTOCOL_VERSION
+from sidecar.dataplane.memory import ExportSpec
+from sidecar.dataplane.plan.layout import BlockIds
 from sidecar.errors import InvalidArgument
-from sidecar.memory import ExportSpec
-from sidecar.planning import BlockIds
 
 _ID_PATTERN = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII without spaces
 MAX_REGIONS = 4096

@@ -26,20 +26,21 @@ import grpc
 
 from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
-from sidecar import PROTOCOL_VERSION, __version__, validation
-from sidecar.cache_index import CacheIndex, HeldBlocks
+from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Settings
-from sidecar.consumer import ConsumerSide
-from sidecar.dataplane import DataPlane, EngineView
+from sidecar.core import validation
+from sidecar.core.cache_index import CacheIndex, HeldBlocks
+from sidecar.core.consumer import ConsumerSide
+from sidecar.core.producer import ProducerRequest, ProducerSide
+from sidecar.core.registry import Engine, Registry, Worker, worker_id
+from sidecar.dataplane.memory import MappedMemory, MemoryImporter
+from sidecar.dataplane.plan.layout import RegionLayout, WorkerLayout
+from sidecar.dataplane.plane import DataPlane, EngineView
+from sidecar.dataplane.transport import NixlTransport, TransferResult
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from sidecar.logs import get_logger
-from sidecar.memory import MappedMemory, MemoryImporter
 from sidecar.metrics import SidecarMetrics
-from sidecar.peers import PeerDirectory
-from sidecar.planning import RegionLayout, WorkerLayout
-from sidecar.producer import ProducerRequest, ProducerSide
-from sidecar.registry import Engine, Registry, Worker, worker_id
-from sidecar.transport import NixlTransport, TransferResult
+from sidecar.peers.client import PeerDirectory
 
 log = get_logger("kvsidecar.node")
 

@@ -11,11 +11,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
-from sidecar.dataplane import EngineView, LocalWorker, WorkerView
+from sidecar.dataplane.memory import MappedMemory
+from sidecar.dataplane.plan.layout import WorkerLayout
+from sidecar.dataplane.plane import EngineView, LocalWorker, WorkerView
+from sidecar.dataplane.transport import RemoteAgent
 from sidecar.errors import FailedPrecondition, NotFound
-from sidecar.memory import MappedMemory
-from sidecar.planning import WorkerLayout
-from sidecar.transport import RemoteAgent
 
 WorkerKey = tuple[str, int, int]  # (engine_id, pp_rank, tp_rank)
 

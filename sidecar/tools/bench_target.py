@@ -2,7 +2,7 @@
 over a shared-memory file, driving progress by polling, as a consumer engine's agent would.
 
 Protocol: started with the file path and length; prints one line "<mapping address> <agent
-metadata as hex>" and polls until stdin closes. Used by ``sidecar.bench`` only.
+metadata as hex>" and polls until stdin closes. Used by ``sidecar.tools.bench`` only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 def main() -> int:
     path, length = sys.argv[1], int(sys.argv[2])
-    from sidecar.transport import load_nixl
+    from sidecar.dataplane.transport import load_nixl
 
     api, _ = load_nixl()
     fd = os.open(path, os.O_RDWR)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine_shim.memory import KvLayout
-from sidecar.workload import TransferFailed, TransferPair
+from sidecar.tools.workload import TransferFailed, TransferPair
 
 LAYERS = 4
 

@@ -68,7 +68,7 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "sidecar.cli", "serve",
+            sys.executable, "-m", "sidecar.app.cli", "serve",
             "--engine-socket", str(self.socket),
             "--peer-listen", f"127.0.0.1:{self.peer_port}",
             "--metrics-listen", "off",

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
-from sidecar.node import Node
+from sidecar.core.node import Node
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
