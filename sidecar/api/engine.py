@@ -1,5 +1,7 @@
-"""EngineService servicer: a thin adapter from gRPC to ``Node``. Validation, error mapping and
-logging context live in the node and in ``server.CallInterceptor``."""
+"""EngineService servicer: one line per RPC, calling the part of the node that owns it.
+
+Validation lives in the owners; logging context, metrics and the mapping of errors to statuses
+in ``api.interceptor``. Runs on the event loop thread."""
 
 from __future__ import annotations
 
@@ -14,44 +16,49 @@ from sidecar.core.node import Node
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, node: Node) -> None:
         self._node = node
+        self._registrations = node.registrations
+        self._events = node.events
+        self._producer = node.producer
+        self._consumer = node.consumer
+        self._holds = node.holds
 
     async def RegisterWorker(
         self, request: engine_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.RegisterWorkerResponse:
-        return await self._node.register_worker(request)
+        return await self._registrations.register_worker(request)
 
     async def UnregisterWorker(
         self, request: engine_pb2.UnregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.UnregisterWorkerResponse:
-        return await self._node.unregister_worker(request)
+        return await self._registrations.unregister_worker(request)
 
     async def SubmitBlocks(
         self, request: engine_pb2.SubmitBlocksRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.SubmitBlocksResponse:
-        return await self._node.submit_blocks(request)
+        return await self._producer.submit(request)
 
     async def ExpectPush(
         self, request: engine_pb2.ExpectPushRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.ExpectPushResponse:
-        return await self._node.expect_push(request)
+        return await self._consumer.expect_push(request)
 
     async def KeepAlive(
         self, request: engine_pb2.KeepAliveRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.KeepAliveResponse:
-        return await self._node.keep_alive(request)
+        return await self._consumer.keep_alive(request)
 
     async def Pull(self, request: engine_pb2.PullRequest, context: grpc.aio.ServicerContext) -> engine_pb2.PullResponse:
-        return await self._node.pull(request)
+        return await self._consumer.pull(request)
 
     async def HoldBlocks(
         self, request: engine_pb2.HoldBlocksRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.HoldBlocksResponse:
-        return await self._node.hold_blocks(request)
+        return await self._producer.hold(request)
 
     async def QueryCache(
         self, request: engine_pb2.QueryCacheRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.QueryCacheResponse:
-        return await self._node.query_cache(request)
+        return await self._holds.query_cache(request)
 
     async def Release(
         self, request: engine_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -61,7 +68,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def WatchEvents(
         self, request: engine_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.Event]:
-        async for event in self._node.watch_events(request):
+        async for event in self._events.watch(request):
             yield event
 
     async def GetStatus(

@@ -1,43 +1,44 @@
-"""PeerService servicer: a thin adapter from gRPC to the node's peer handlers."""
+"""PeerService servicer: one line per RPC, through the node's routing table (``peers.routes``),
+the same table a call to this sidecar's own address takes. Runs on the event loop thread."""
 
 from __future__ import annotations
 
 import grpc
 
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from sidecar.core.node import Node
+from sidecar.peers.routes import PeerRoutes
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, routes: PeerRoutes) -> None:
+        self._routes = routes
 
     async def Handshake(
         self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HandshakeResponse:
-        return await self._node.handle_handshake(request)
+        return await self._routes.handshake(request)
 
     async def PushReg(
         self, request: peer_pb2.PushRegRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PushRegResponse:
-        return await self._node.handle_push_reg(request)
+        return await self._routes.push_reg(request)
 
     async def Heartbeat(
         self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HeartbeatResponse:
-        return await self._node.handle_heartbeat(request)
+        return await self._routes.heartbeat(request)
 
     async def QueryCache(
         self, request: peer_pb2.PeerQueryCacheRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerQueryCacheResponse:
-        return await self._node.handle_query_cache(request)
+        return await self._routes.query_cache(request)
 
     async def TransferFailed(
         self, request: peer_pb2.TransferFailedRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.TransferFailedResponse:
-        return await self._node.handle_transfer_failed(request)
+        return await self._routes.transfer_failed(request)
 
     async def Release(
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
-        return await self._node.handle_release(request)
+        return await self._routes.release(request)

@@ -11,6 +11,12 @@
 While a request waits, this side heartbeats the producer's sidecar so its lease stays alive; a
 producer that no longer knows the request, or a peer that stops answering, fails the request
 instead of leaving it to time out. Runs on the event loop thread.
+
+Why one module of ~630 lines: pull, push and the keep-alive heartbeats share one request table,
+one "does the producer still hold it" state (``_confirmed``, ``_first_unknown``, ``_lost``) and one
+failure path (``_fail``); split apart, each half would reach into the other's state. The next cut,
+when it grows, is a ``core/keepalive.py`` owning ``kept``, the heartbeat loop and that state, with
+the consumer asking it ``confirm_held`` and being told ``producer_lost``.
 """
 
 from __future__ import annotations
@@ -18,22 +24,20 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
+from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
 from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
 from sidecar.dataplane.plan.compatible import check_compatible
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
+from sidecar.dataplane.plane import TransferJob
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 from sidecar.logs import get_logger
-from sidecar.peers.client import normalize_address
-
-if TYPE_CHECKING:
-    from sidecar.core.node import Node
+from sidecar.peers.addresses import normalize_address
 
 log = get_logger("kvsidecar.consumer")
 
@@ -90,8 +94,8 @@ class KeptAlive:
 
 
 class ConsumerSide:
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
         self.requests: dict[RequestKey, ConsumerRequest] = {}
         self.watchdogs: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_watchdog)
         self.kept: dict[RequestKey, KeptAlive] = {}
@@ -126,24 +130,24 @@ class ConsumerSide:
     # --- EngineService ------------------------------------------------------------------------
 
     async def keep_alive(self, request: engine_pb2.KeepAliveRequest) -> engine_pb2.KeepAliveResponse:
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.transfer_id, "transfer_id", required=False)
-        validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
+        validation.remote_blocks(request.remote, "remote", ctx.settings.max_blocks_per_request, False)
         if not (request.remote.request_id or request.transfer_id):
             raise InvalidArgument("remote.request_id", "remote.request_id or transfer_id is required")
         timeout = validation.duration(
-            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+            request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
-        node.registry.require_engine(request.engine_id, "engine_id", CONSUMER_ROLES)
+        ctx.registry.require_engine(request.engine_id, "engine_id", CONSUMER_ROLES)
         key = (request.engine_id, request.request_id)
         if key in self._lost:
             return engine_pb2.KeepAliveResponse(producer_holds=False)
         if key in self.requests:
             return engine_pb2.KeepAliveResponse(producer_holds=True)  # its Pull/ExpectPush came first
         if key not in self.kept:
-            node.check_capacity(len(self.kept))
+            ctx.tasks.check_capacity(len(self.kept))
         kept = KeptAlive(request.engine_id, request.request_id, request.transfer_id, request.remote)
         self.kept[key] = kept
         self._kept_deadlines.set(key, time.monotonic() + timeout)
@@ -151,7 +155,7 @@ class ConsumerSide:
         if self._pace_key(address, engine_id) not in self._pace:
             # We do not know how long this producer's leases are: heartbeat now rather than at our
             # own pace, which may be too slow for it.
-            node.spawn(self._heartbeat(address, engine_id, [kept]), engines=[])
+            ctx.tasks.spawn(self._heartbeat(address, engine_id, [kept]), engines=[])
         return engine_pb2.KeepAliveResponse(producer_holds=True)
 
     def _on_keep_alive_expired(self, keys: list[RequestKey]) -> None:
@@ -168,11 +172,11 @@ class ConsumerSide:
         return self._lost.pop(key, None)
 
     async def pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
-        node = self._node
+        ctx = self._ctx
         local = self._validate_fields(
             request.engine_id, request.request_id, request.transfer_id, request.local_block_ids, "local_block_ids"
         )
-        remote_blocks = validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, True)
+        remote_blocks = validation.remote_blocks(request.remote, "remote", ctx.settings.max_blocks_per_request, True)
         validation.identifier(request.remote.request_id, "remote.request_id")
         if len(remote_blocks) != len(local):
             raise InvalidArgument(
@@ -184,23 +188,23 @@ class ConsumerSide:
                     "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
                 )
         timeout = validation.duration(
-            request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
+            request.timeout_seconds, "timeout_seconds", ctx.settings.transfer_timeout_seconds
         )
         engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
         pending = self._admit(request, common_pb2.TRANSFER_MODE_PULL, local)
         if pending is None:
             return engine_pb2.PullResponse(accepted=True)
-        node.spawn(self._run_pull(pending, engine, remote_blocks, timeout), engines=self._engines_of(pending))
+        ctx.tasks.spawn(self._run_pull(pending, engine, remote_blocks, timeout), engines=self._engines_of(pending))
         return engine_pb2.PullResponse(accepted=True)
 
     async def expect_push(self, request: engine_pb2.ExpectPushRequest) -> engine_pb2.ExpectPushResponse:
-        node = self._node
+        ctx = self._ctx
         local = self._validate_fields(
             request.engine_id, request.request_id, request.transfer_id, request.block_ids, "block_ids"
         )
-        validation.remote_blocks(request.remote, "remote", node.settings.max_blocks_per_request, False)
+        validation.remote_blocks(request.remote, "remote", ctx.settings.max_blocks_per_request, False)
         timeout = validation.duration(
-            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+            request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
         engine = self._require_engine(request.engine_id, request.request_id, local, "block_ids")
         pending = self._admit(request, common_pb2.TRANSFER_MODE_PUSH, local)
@@ -225,7 +229,7 @@ class ConsumerSide:
         pending = self.requests.get((engine_id, request_id))
         if pending is None:
             return None
-        self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
+        self._ctx.tasks.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
         if pending.transferring or pending.cancelling:
             return pending  # the terminal event follows when the transfers end
         self._fail(pending, f"released: {reason}", reason_label="released")
@@ -238,9 +242,9 @@ class ConsumerSide:
         validation.identifier(request.request_id, "request_id")
         pending = self.requests.get((request.engine_id, request.request_id))
         if pending is None or not pending.is_push:
-            return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=False)
+            return peer_pb2.TransferFailedResponse(sidecar_id=self._ctx.identity.sidecar_id, found=False)
         self._fail(pending, f"producer reported: {request.reason}", reason_label="producer_failed")
-        return peer_pb2.TransferFailedResponse(sidecar_id=self._node.sidecar_id, found=True)
+        return peer_pb2.TransferFailedResponse(sidecar_id=self._ctx.identity.sidecar_id, found=True)
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -250,8 +254,8 @@ class ConsumerSide:
         if pending is None or not pending.is_push:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
-        if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
-            self._node.metrics.request_duration.labels(mode="push", side="consumer").observe(
+        if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
+            self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
@@ -262,7 +266,7 @@ class ConsumerSide:
     async def _run_pull(
         self, pending: ConsumerRequest, engine: Engine, remote_blocks: BlockIds, timeout: float
     ) -> None:
-        node = self._node
+        ctx = self._ctx
         address = pending.remote.address
         if not any(pending.local_blocks):
             # Full prefix hit: nothing to read, but the producer must learn it may free its blocks.
@@ -276,23 +280,25 @@ class ConsumerSide:
                 # also reveals a restarted producer sidecar before its stale handshake is used.
                 await self._confirm_held(pending)
             view = await asyncio.wait_for(
-                node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
-                node.settings.peer_call_timeout_seconds,
+                ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                ctx.settings.peer_call_timeout_seconds,
             )
             local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
+            ctx.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(remote_blocks, pending.local_blocks)
             pending.transferring = True
-            outcome = await node.dataplane.run(
-                "READ",
-                local,
-                engine.tp_size,
-                view,
-                pending.local_blocks,
-                source,
-                target_request_id=pending.remote.request_id,
-                transfer_id=pending.transfer_id,
-                timeout=timeout,
+            outcome = await ctx.dataplane.run(
+                TransferJob(
+                    op="READ",
+                    initiator=local,
+                    initiator_tp=engine.tp_size,
+                    target=view,
+                    initiator_blocks=pending.local_blocks,
+                    target_blocks=source,
+                    target_request_id=pending.remote.request_id,
+                    transfer_id=pending.transfer_id,
+                    timeout=timeout,
+                )
             )
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
@@ -309,22 +315,22 @@ class ConsumerSide:
             pending.transferring = False
         pending.bytes_moved = outcome.bytes
         if outcome.ok:
-            node.metrics.request_duration.labels(mode="pull", side="consumer").observe(
+            ctx.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
             )
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         if outcome.peer_gone:
-            await node.peers.forget(address, "transfer from it failed")
+            await ctx.peers.forget(address, "transfer from it failed")
         self._fail(pending, f"READ failed: {outcome.error}", reason_label="transfer")
         await self._tell_producer(pending, consumed=False, reason=outcome.error)
 
     # --- push ---------------------------------------------------------------------------------
 
     async def _register_push(self, pending: ConsumerRequest, engine: Engine, timeout: float) -> bool:
-        node = self._node
+        ctx = self._ctx
         address = pending.remote.address
-        view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
+        view = await ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
         # The producer will initiate; check the pairing from its side.
         check_compatible(
             [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
@@ -333,11 +339,10 @@ class ConsumerSide:
             raise FailedPrecondition(
                 f"remote.tp_size is {pending.remote.tp_size} but engine {view.engine_id} has TP {view.tp_size}"
             )
-        response = await node.peers.call(
+        response = await ctx.peers.push_reg(
             address,
-            "PushReg",
             peer_pb2.PushRegRequest(
-                caller=node.sidecar_info(),
+                caller=ctx.identity.info(),
                 prefill_engine_id=pending.remote.engine_id,
                 prefill_request_id=pending.remote.request_id,
                 transfer_id=pending.transfer_id,
@@ -362,11 +367,11 @@ class ConsumerSide:
                 self._fail(pending, "push did not finish after cancellation", reason_label="timeout")
                 continue
             pending.cancelling = True
-            self._node.spawn(self._cancel_push(pending), engines=[])
+            self._ctx.tasks.spawn(self._cancel_push(pending), engines=[])
 
     async def _cancel_push(self, pending: ConsumerRequest) -> None:
         """Watchdog fired: make sure no WRITE is in flight before the blocks go back to the engine."""
-        settings = self._node.settings
+        settings = self._ctx.settings
         in_flight = await self._tell_producer(pending, consumed=False, reason="consumer watchdog expired")
         if pending.key not in self.requests:
             return
@@ -381,7 +386,7 @@ class ConsumerSide:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            period = min([self._node.settings.heartbeat_interval, *self._pace.values()])
+            period = min([self._ctx.settings.heartbeat_interval, *self._pace.values()])
             try:
                 # A newly learned, faster producer pace cuts the current wait short.
                 await asyncio.wait_for(self._pace_changed.wait(), period)
@@ -394,7 +399,7 @@ class ConsumerSide:
                 log.exception("heartbeat_round_failed", error=str(exc))
 
     def _pace_key(self, address: str, engine_id: str) -> tuple[str, str]:
-        return ("" if self._node.peers.is_self(address) else normalize_address(address), engine_id)
+        return ("" if self._ctx.peers.is_self(address) else normalize_address(address), engine_id)
 
     async def _confirm_held(self, pending: ConsumerRequest) -> None:
         """Heartbeat one request until its producer confirms it holds it; raises ProducerLost if
@@ -423,7 +428,7 @@ class ConsumerSide:
         if key in self._confirmed:
             return True
         first = self._first_unknown.setdefault(key, now)
-        return now - first > self._node.settings.producer_unknown_grace_seconds
+        return now - first > self._ctx.settings.producer_unknown_grace_seconds
 
     async def heartbeat_once(self) -> None:
         """One heartbeat per producer engine for every request that still needs its blocks."""
@@ -449,18 +454,20 @@ class ConsumerSide:
     ) -> list[ConsumerRequest | KeptAlive]:
         """Heartbeat ``group``; returns the items the producer did not know. With ``judge``, those
         that count as lost (see ``_is_lost``) fail here."""
-        node = self._node
+        ctx = self._ctx
         request = peer_pb2.HeartbeatRequest(
-            caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[item.heartbeat_key() for item in group]
+            caller_sidecar_id=ctx.identity.sidecar_id,
+            engine_id=engine_id,
+            requests=[item.heartbeat_key() for item in group],
         )
         try:
-            response = await node.peers.call(address, "Heartbeat", request)
+            response = await ctx.peers.heartbeat(address, request)
         except SidecarError as exc:
             if raise_errors:
                 raise
-            failures = node.peers.failures(address)
+            failures = ctx.peers.failures(address)
             log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
-            if failures >= node.settings.heartbeat_failures_allowed:
+            if failures >= ctx.settings.heartbeat_failures_allowed:
                 self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
             return list(group)
         now = time.monotonic()
@@ -506,22 +513,22 @@ class ConsumerSide:
         validation.identifier(engine_id, "engine_id")
         validation.identifier(request_id, "request_id")
         validation.identifier(transfer_id, "transfer_id", required=False)
-        return validation.block_ids(blocks_message, field, self._node.settings.max_blocks_per_request)
+        return validation.block_ids(blocks_message, field, self._ctx.settings.max_blocks_per_request)
 
     def _require_engine(self, engine_id: str, request_id: str, blocks: BlockIds, field: str) -> Engine:
-        node = self._node
-        engine = node.registry.require_engine(engine_id, "engine_id", CONSUMER_ROLES)
+        ctx = self._ctx
+        engine = ctx.registry.require_engine(engine_id, "engine_id", CONSUMER_ROLES)
         problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
         if problem:
             raise InvalidArgument(field, problem)
         if (engine_id, request_id) in self.requests:
             raise FailedPrecondition(f"request {request_id!r} of engine {engine_id!r} is already waiting for KV")
-        node.check_capacity(len(self.requests))
+        ctx.tasks.check_capacity(len(self.requests))
         return engine
 
     def _engines_of(self, pending: ConsumerRequest) -> list[str]:
         engines = [pending.engine_id]
-        if self._node.peers.is_self(pending.remote.address):
+        if self._ctx.peers.is_self(pending.remote.address):
             engines.append(pending.remote.engine_id)
         return engines
 
@@ -540,8 +547,8 @@ class ConsumerSide:
         )
         self.requests[pending.key] = pending
         if pending.is_push:
-            self._node.transport.expect_notifications(1)
-        self._node.metrics.pending_receives.set(len(self.requests))
+            self._ctx.transport.expect_notifications(1)
+        self._ctx.metrics.pending_receives.set(len(self.requests))
         lost = self._end_keep_alive(pending.key)
         if lost is not None:
             self._fail(pending, lost, reason_label="producer_lost")
@@ -552,11 +559,10 @@ class ConsumerSide:
         """Tell the producer's sidecar it may free (or drop the registration). Returns True if
         transfers are still in flight there. Best effort: its lease frees the blocks otherwise."""
         try:
-            response = await self._node.peers.call(
+            response = await self._ctx.peers.release(
                 pending.remote.address,
-                "Release",
                 peer_pb2.PeerReleaseRequest(
-                    caller_sidecar_id=self._node.sidecar_id,
+                    caller_sidecar_id=self._ctx.identity.sidecar_id,
                     engine_id=pending.remote.engine_id,
                     request_id=pending.remote.request_id,
                     transfer_id=pending.transfer_id,
@@ -571,7 +577,7 @@ class ConsumerSide:
         return bool(response.in_flight)
 
     def _fail(self, pending: ConsumerRequest, reason: str, reason_label: str) -> None:
-        self._node.metrics.failures.labels(reason=reason_label).inc()
+        self._ctx.metrics.failures.labels(reason=reason_label).inc()
         log.warning(
             "load_failed",
             engine_id=pending.engine_id,
@@ -590,17 +596,17 @@ class ConsumerSide:
         self._first_unknown.pop(pending.key, None)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
-            self._node.transport.expect_notifications(-1)
-        self._node.metrics.pending_receives.set(len(self.requests))
+            self._ctx.transport.expect_notifications(-1)
+        self._ctx.metrics.pending_receives.set(len(self.requests))
         event.request_id = pending.request_id
         event.transfer_id = pending.transfer_id
         event.bytes = pending.bytes_moved
         event.duration_ms = (time.monotonic() - pending.created) * 1000.0
-        self._node.emit(pending.engine_id, event)
+        self._ctx.events.emit(pending.engine_id, event)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
-            self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
+            self._ctx.tasks.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
             if not pending.transferring:
                 self._fail(pending, reason, reason_label="engine_gone")
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
 
 
 _TOKEN_PRIORITY = {"tid": 0, "rid": 1, "base": 2}
+
+# What the consumer's registration carries for the side that starts the push (the producer: the
+# PushReg request and its destination blocks); matching never looks inside it.
+Order = TypeVar("Order")
 
 
 def base_request_id(request_id: str) -> str:
@@ -33,11 +37,15 @@ class Submission:
     engine_id: str
     request_id: str
     transfer_id: str
-    payload: Any = field(default=None, compare=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The producer request: (engine_id, request_id)."""
+        return (self.engine_id, self.request_id)
 
 
 @dataclass
-class Registration:
+class Registration(Generic[Order]):
     """Consumer side: blocks registered for a producer's request, waiting for the blocks."""
 
     engine_id: str  # the producer engine the consumer addressed
@@ -45,14 +53,14 @@ class Registration:
     request_id: str  # the consumer's request id
     transfer_id: str
     prefill_request_id: str  # empty when the consumer does not know it
-    payload: Any = field(default=None, compare=False)
+    order: Order = field(compare=False)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.decode_engine_id, self.request_id)
 
 
-def _matches(sub: Submission, reg: Registration) -> bool:
+def _matches(sub: Submission, reg: Registration[Order]) -> bool:
     if sub.engine_id != reg.engine_id:
         return False
     if sub.transfer_id and reg.transfer_id:
@@ -62,12 +70,12 @@ def _matches(sub: Submission, reg: Registration) -> bool:
     return base_request_id(sub.request_id) == base_request_id(reg.request_id)
 
 
-class PushMatcher:
+class PushMatcher(Generic[Order]):
     """Holds unmatched submissions and registrations; adding one side returns its match."""
 
     def __init__(self) -> None:
         self._submissions: dict[tuple[str, str], Submission] = {}
-        self._registrations: dict[tuple[str, str], Registration] = {}
+        self._registrations: dict[tuple[str, str], Registration[Order]] = {}
         # Candidate indexes: (producer engine, match token) -> keys. A token is a transfer id,
         # a producer request id, or a base request id; _matches() makes the final decision.
         self._sub_index: dict[tuple[str, str], set[tuple[str, str]]] = {}
@@ -81,10 +89,10 @@ class PushMatcher:
     def unmatched_submissions(self) -> int:
         return len(self._submissions)
 
-    def registrations(self) -> list[Registration]:
+    def registrations(self) -> list[Registration[Order]]:
         return list(self._registrations.values())
 
-    def registration_matching(self, sub: Submission) -> Registration | None:
+    def registration_matching(self, sub: Submission) -> Registration[Order] | None:
         """The stored registration ``sub`` would match, left in place."""
         for reg_key in self._candidates(self._reg_index, sub.engine_id, self._sub_tokens(sub)):
             reg = self._registrations[reg_key]
@@ -92,7 +100,7 @@ class PushMatcher:
                 return reg
         return None
 
-    def submission_matching(self, reg: Registration) -> Submission | None:
+    def submission_matching(self, reg: Registration[Order]) -> Submission | None:
         """The stored submission ``reg`` would match, left in place."""
         for sub_key in self._candidates(self._sub_index, reg.engine_id, self._reg_tokens(reg)):
             sub = self._submissions[sub_key]
@@ -100,7 +108,7 @@ class PushMatcher:
                 return sub
         return None
 
-    def add_submission(self, sub: Submission) -> Registration | None:
+    def add_submission(self, sub: Submission) -> Registration[Order] | None:
         """Offer a producer's blocks; returns the registration they match (removed), or stores them."""
         reg = self.registration_matching(sub)
         if reg is not None:
@@ -113,7 +121,7 @@ class PushMatcher:
             self._sub_index.setdefault((sub.engine_id, token), set()).add(key)
         return None
 
-    def add_registration(self, reg: Registration) -> Submission | None:
+    def add_registration(self, reg: Registration[Order]) -> Submission | None:
         """Offer a consumer's registration; returns the submission it matches (removed), or stores it.
 
         A repeated registration (same consumer engine and request id) replaces the stored one, so
@@ -129,10 +137,10 @@ class PushMatcher:
             self._reg_index.setdefault((reg.engine_id, token), set()).add(reg.key)
         return None
 
-    def find_registration(self, key: tuple[str, str]) -> Registration | None:
+    def find_registration(self, key: tuple[str, str]) -> Registration[Order] | None:
         return self._registrations.get(key)
 
-    def find_registration_for(self, engine_id: str, transfer_id: str, request_id: str) -> Registration | None:
+    def find_registration_for(self, engine_id: str, transfer_id: str, request_id: str) -> Registration[Order] | None:
         """A stored registration addressed to ``engine_id`` by transfer id or consumer request id."""
         for reg in self._registrations.values():
             if reg.engine_id != engine_id:
@@ -141,7 +149,7 @@ class PushMatcher:
                 return reg
         return None
 
-    def remove_registration(self, key: tuple[str, str]) -> Registration | None:
+    def remove_registration(self, key: tuple[str, str]) -> Registration[Order] | None:
         reg = self._registrations.pop(key, None)
         if reg is not None:
             for token in self._reg_tokens(reg):
@@ -164,7 +172,7 @@ class PushMatcher:
         return tokens
 
     @staticmethod
-    def _reg_tokens(reg: Registration) -> set[str]:
+    def _reg_tokens(reg: Registration[Order]) -> set[str]:
         tokens = {"base:" + base_request_id(reg.request_id)}
         if reg.transfer_id:
             tokens.add("tid:" + reg.transfer_id)

@@ -17,25 +17,34 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
+from sidecar.core.context import NodeContext
+from sidecar.core.handshake import check_compatibility
+from sidecar.core.holds import Holds
 from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
 from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
+from sidecar.dataplane.plane import TransferJob
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
 from sidecar.logs import get_logger
-
-if TYPE_CHECKING:
-    from sidecar.core.node import Node
 
 log = get_logger("kvsidecar.producer")
 
 RequestKey = tuple[str, str]  # (engine_id, request_id)
+
+
+class PushOrder(NamedTuple):
+    """What a consumer's registration carries to the push it starts: its PushReg and the
+    validated destination blocks."""
+
+    request: peer_pb2.PushRegRequest
+    blocks: BlockIds
 
 
 @dataclass
@@ -68,12 +77,13 @@ class ProducerRequest:
 
 
 class ProducerSide:
-    def __init__(self, node: Node) -> None:
-        self._node = node
+    def __init__(self, ctx: NodeContext, holds: Holds) -> None:
+        self._ctx = ctx
+        self._holds = holds
         self.requests: dict[RequestKey, ProducerRequest] = {}
         self._by_transfer: dict[tuple[str, str], RequestKey] = {}
         self.leases: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_leases_expired)
-        self.matcher = PushMatcher()
+        self.matcher: PushMatcher[PushOrder] = PushMatcher()
         # Push registrations waiting for blocks expire with the consumer's watchdog.
         self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
         # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
@@ -82,15 +92,15 @@ class ProducerSide:
     # --- EngineService ------------------------------------------------------------------------
 
     async def submit(self, request: engine_pb2.SubmitBlocksRequest) -> engine_pb2.SubmitBlocksResponse:
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.transfer_id, "transfer_id", required=False)
-        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
-        lease = validation.duration(request.lease_seconds, "lease_seconds", node.settings.lease_seconds)
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        lease = validation.duration(request.lease_seconds, "lease_seconds", ctx.settings.lease_seconds)
         if request.mode not in common_pb2.TransferMode.values():
             raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
-        engine = node.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
+        engine = ctx.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
         self._check_blocks(engine, blocks, "block_ids")
         existing = self.requests.get((request.engine_id, request.request_id))
         if existing is not None:
@@ -98,7 +108,7 @@ class ProducerSide:
                 raise FailedPrecondition(f"request {request.request_id!r} was already submitted with other blocks")
             self.leases.extend(existing.key, time.monotonic() + lease)
             return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=existing.writing)
-        node.check_capacity(len(self.requests))
+        ctx.tasks.check_capacity(len(self.requests))
         pending = ProducerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -112,7 +122,7 @@ class ProducerSide:
         matched = False
         if pending.accepts_push:
             registration = self.matcher.add_submission(
-                Submission(pending.engine_id, pending.request_id, pending.transfer_id, payload=pending.key)
+                Submission(pending.engine_id, pending.request_id, pending.transfer_id)
             )
             if registration is not None:
                 self._start_push(pending, registration)
@@ -123,18 +133,18 @@ class ProducerSide:
 
     async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
         """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn)."""
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.conversation_id, "conversation_id", required=False)
-        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
-        ttl = validation.duration(request.ttl_seconds, "ttl_seconds", node.settings.hold_ttl_seconds)
-        engine = node.registry.require_engine(request.engine_id, "engine_id")
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        ttl = validation.duration(request.ttl_seconds, "ttl_seconds", ctx.settings.hold_ttl_seconds)
+        engine = ctx.registry.require_engine(request.engine_id, "engine_id")
         self._check_blocks(engine, blocks, "block_ids")
         key = (request.engine_id, request.request_id)
         if key in self.requests:
             raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
-        node.check_capacity(len(self.requests))
+        ctx.tasks.check_capacity(len(self.requests))
         pending = ProducerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -146,7 +156,9 @@ class ProducerSide:
             held=True,
         )
         self._add(pending)
-        node.cache_hold(pending, request.conversation_id)
+        self._holds.hold(
+            pending.engine_id, pending.request_id, request.conversation_id, pending.block_ids, pending.num_tokens
+        )
         return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl)
 
     def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> bool:
@@ -161,8 +173,8 @@ class ProducerSide:
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
             self._update_gauges()
-            request, _ = registration.payload
-            self._node.spawn(
+            request = registration.order.request
+            self._ctx.tasks.spawn(
                 self._send_transfer_failed(request.caller.address, request, f"the producer released it: {reason}"),
                 engines=[],
             )
@@ -176,60 +188,62 @@ class ProducerSide:
     # --- PeerService --------------------------------------------------------------------------
 
     async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.prefill_engine_id, "prefill_engine_id")
         validation.identifier(request.decode_engine_id, "decode_engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
-        blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
         if not request.caller.address:
             raise InvalidArgument("caller.address", "is required so the producer can reach the consumer")
         timeout = validation.duration(
-            request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
+            request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
-        engine = node.registry.engines.get(request.prefill_engine_id)
+        engine = ctx.registry.engines.get(request.prefill_engine_id)
         if engine is None:
             raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
         # A restarted consumer sidecar or a re-registered consumer engine invalidates what we cached
         # about it: handshake again rather than write into agents that no longer exist.
-        await node.peers.note_caller(request.caller)
-        cached = node.peers.cached_generation(request.caller.address, request.decode_engine_id)
+        await ctx.peers.note_caller(request.caller)
+        cached = ctx.peers.cached_generation(request.caller.address, request.decode_engine_id)
         if cached is not None and request.decode_generation and cached != request.decode_generation:
-            await node.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
-        node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
-        node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
+            await ctx.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
+        ctx.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
+        check_compatibility(
+            engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}", ctx.metrics
+        )
         reg_key = (request.decode_engine_id, request.request_id)
         if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
             # A repeated registration: the first one is already matched or waiting.
-            return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=reg_key in self._pushing)
+            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=reg_key in self._pushing)
         registration = Registration(
             engine_id=request.prefill_engine_id,
             decode_engine_id=request.decode_engine_id,
             request_id=request.request_id,
             transfer_id=request.transfer_id,
             prefill_request_id=request.prefill_request_id,
-            payload=(request, blocks),
+            order=PushOrder(request, blocks),
         )
         if self.matcher.submission_matching(registration) is None:
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
             # we already hold is served even while draining, so the consumer need not recompute.
-            node.check_capacity(self.matcher.pending_registrations)
+            ctx.tasks.check_capacity(self.matcher.pending_registrations)
         submission = self.matcher.add_registration(registration)
         if submission is None:
             self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
             self._update_gauges()
-            return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=False)
-        pending = self.requests[submission.payload]
+            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=False)
+        pending = self.requests[submission.key]
         self._start_push(pending, registration)
         self._update_gauges()
-        return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=True)
+        return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=True)
 
     async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         unknown = []
-        extension = node.settings.lease_extension_seconds
+        extension = ctx.settings.lease_extension_seconds
         now = time.monotonic()
         for index, key in enumerate(request.requests):
             if not (key.request_id or key.transfer_id or key.consumer_request_id):
@@ -244,11 +258,11 @@ class ProducerSide:
             if any(active[1] == key.consumer_request_id for active in self._pushing):
                 continue
             unknown.append(key)
-        return peer_pb2.HeartbeatResponse(sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension)
+        return peer_pb2.HeartbeatResponse(sidecar_id=ctx.identity.sidecar_id, unknown=unknown, lease_seconds=extension)
 
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
         """A consumer is done with a request (consumed it, or gave up on it)."""
-        node = self._node
+        ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         # A push registration still waiting for its blocks: drop it.
         registration = self.matcher.find_registration_for(
@@ -258,20 +272,20 @@ class ProducerSide:
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
             self._update_gauges()
-            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True)
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
         pending = self._find(request.engine_id, request.request_id, request.transfer_id)
         if pending is None:
             for consumer_key, producer_key in self._pushing.items():
                 if consumer_key[1] == request.consumer_request_id:
                     pending = self.requests.get(producer_key)
         if pending is None:
-            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=False)
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
         if pending.writing:
             pending.lease_ended = True
-            return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True, in_flight=True)
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=True)
         verb = "consumed" if request.consumed else "released"
         self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
-        return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True)
+        return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -281,31 +295,35 @@ class ProducerSide:
         if pending is None or not pending.accepts_pull:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
-        if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
+        if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             self._finish(pending, engine_pb2.FINISHED_SENDING)
         return True
 
     # --- push ---------------------------------------------------------------------------------
 
-    def _start_push(self, pending: ProducerRequest, registration: Registration) -> None:
-        request, blocks = registration.payload
+    def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
+        request, blocks = registration.order
         self._registration_deadlines.cancel(registration.key)
         pending.writing = True
         self._pushing[registration.key] = pending.key
-        self._node.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
+        self._ctx.tasks.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
 
     async def _push(
-        self, pending: ProducerRequest, registration: Registration, request: peer_pb2.PushRegRequest, blocks: BlockIds
+        self,
+        pending: ProducerRequest,
+        registration: Registration[PushOrder],
+        request: peer_pb2.PushRegRequest,
+        blocks: BlockIds,
     ) -> None:
-        node = self._node
+        ctx = self._ctx
         started = time.monotonic()
         address = request.caller.address
         error = ""
         try:
-            engine = node.registry.require_engine(pending.engine_id, "engine_id")
-            view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
+            engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
+            view = await ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
             local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
+            ctx.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(pending.block_ids, blocks)
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.
@@ -314,29 +332,31 @@ class ProducerSide:
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
                 return
             not_after = self.leases.deadline(pending.key)
-            outcome = await node.dataplane.run(
-                "WRITE",
-                local,
-                engine.tp_size,
-                view,
-                source,
-                blocks,
-                target_request_id=request.request_id,
-                transfer_id=request.transfer_id or pending.transfer_id,
-                timeout=node.settings.transfer_timeout_seconds,
-                not_after=not_after,
+            outcome = await ctx.dataplane.run(
+                TransferJob(
+                    op="WRITE",
+                    initiator=local,
+                    initiator_tp=engine.tp_size,
+                    target=view,
+                    initiator_blocks=source,
+                    target_blocks=blocks,
+                    target_request_id=request.request_id,
+                    transfer_id=request.transfer_id or pending.transfer_id,
+                    timeout=ctx.settings.transfer_timeout_seconds,
+                    not_after=not_after,
+                )
             )
             pending.bytes_moved = outcome.bytes
             if not outcome.ok:
                 error = outcome.error
                 if outcome.peer_gone:
-                    await node.peers.forget(address, "transfer to it failed")
+                    await ctx.peers.forget(address, "transfer to it failed")
         except (SidecarError, PlanError) as exc:
             error = str(exc)
         self._pushing.pop(registration.key, None)
         pending.writing = False
         if error:
-            node.metrics.failures.labels(reason="push_write").inc()
+            ctx.metrics.failures.labels(reason="push_write").inc()
             log.warning(
                 "push_failed",
                 engine_id=pending.engine_id,
@@ -347,7 +367,7 @@ class ProducerSide:
             )
             await self._send_transfer_failed(address, request, error)
         else:
-            node.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
+            ctx.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
         kind = engine_pb2.FINISHED_SENDING
         if error and pending.lease_ended:
             kind = engine_pb2.LEASE_EXPIRED
@@ -355,14 +375,14 @@ class ProducerSide:
 
     async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
         notice = peer_pb2.TransferFailedRequest(
-            caller_sidecar_id=self._node.sidecar_id,
+            caller_sidecar_id=self._ctx.identity.sidecar_id,
             engine_id=request.decode_engine_id,
             request_id=request.request_id,
             transfer_id=request.transfer_id,
             reason=reason,
         )
         try:
-            await self._node.peers.call(address, "TransferFailed", notice)
+            await self._ctx.peers.transfer_failed(address, notice)
         except SidecarError as exc:
             # The consumer's heartbeat or watchdog still ends its wait.
             log.warning("transfer_failed_notice_undelivered", peer=address, error=str(exc))
@@ -377,7 +397,7 @@ class ProducerSide:
             if pending.writing:
                 pending.lease_ended = True
                 continue
-            self._node.metrics.leases_expired.inc()
+            self._ctx.metrics.leases_expired.inc()
             what = "hold TTL" if pending.held else "lease"
             log.warning(
                 "lease_expired",
@@ -420,8 +440,8 @@ class ProducerSide:
             self._by_transfer[(pending.engine_id, pending.transfer_id)] = pending.key
         self.leases.set(pending.key, time.monotonic() + pending.lease_seconds)
         if pending.accepts_pull:
-            self._node.transport.expect_notifications(1)
-        self._node.metrics.leases.set(len(self.leases))
+            self._ctx.transport.expect_notifications(1)
+        self._ctx.metrics.leases.set(len(self.leases))
 
     def _finish(self, pending: ProducerRequest, kind: int, reason: str = "") -> None:
         if self.requests.pop(pending.key, None) is None:
@@ -431,12 +451,12 @@ class ProducerSide:
         self.leases.cancel(pending.key)
         self.matcher.remove_submission(pending.engine_id, pending.request_id)
         if pending.accepts_pull:
-            self._node.transport.expect_notifications(-1)
+            self._ctx.transport.expect_notifications(-1)
         if pending.held:
-            self._node.cache_release(pending.key)
-        self._node.metrics.leases.set(len(self.leases))
+            self._holds.release(pending.key)
+        self._ctx.metrics.leases.set(len(self.leases))
         self._update_gauges()
-        self._node.emit(
+        self._ctx.events.emit(
             pending.engine_id,
             engine_pb2.Event(
                 kind=kind,  # type: ignore[arg-type]
@@ -471,7 +491,7 @@ class ProducerSide:
             raise InvalidArgument(field_name, problem)
 
     def _update_gauges(self) -> None:
-        metrics = self._node.metrics
+        metrics = self._ctx.metrics
         metrics.pending_push_registrations.set(self.matcher.pending_registrations)
         metrics.unmatched_submissions.set(self.matcher.unmatched_submissions)
 

@@ -11,10 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar.dataplane.contract import RemoteAgent
 from sidecar.dataplane.memory import MappedMemory
 from sidecar.dataplane.plan.layout import WorkerLayout
 from sidecar.dataplane.plane import EngineView, LocalWorker, WorkerView
-from sidecar.dataplane.transport import RemoteAgent
 from sidecar.errors import FailedPrecondition, NotFound
 
 WorkerKey = tuple[str, int, int]  # (engine_id, pp_rank, tp_rank)
@@ -25,6 +25,14 @@ CONSUMER_ROLES = (common_pb2.ENGINE_ROLE_CONSUMER, common_pb2.ENGINE_ROLE_BOTH)
 
 def worker_id(engine_id: str, pp_rank: int, tp_rank: int) -> str:
     return f"{engine_id}/pp{pp_rank}/tp{tp_rank}"
+
+
+class StreamClosed:
+    """Queued to a worker's event queue to end its WatchEvents stream."""
+
+    def __init__(self, reason: str, exhausted: bool = False) -> None:
+        self.reason = reason
+        self.exhausted = exhausted
 
 
 @dataclass
@@ -41,7 +49,7 @@ class Worker:
     registered_bytes: int
     pid: int
     fingerprint: bytes
-    events: asyncio.Queue[engine_pb2.Event]
+    events: asyncio.Queue[engine_pb2.Event | StreamClosed]
     watchers: int = 0
     overflowed: bool = False
     attach_timer: asyncio.TimerHandle | None = None
@@ -165,6 +173,10 @@ class Registry:
         """The NIXL agents of ``engine_id``'s workers here (none if it is gone)."""
         engine = self.engines.get(engine_id)
         return [worker.agent_name for worker in engine.ordered_workers()] if engine is not None else []
+
+    def engine_versions(self) -> str:
+        """The registered engines' versions, for this sidecar's ``SidecarInfo``."""
+        return ", ".join(sorted({engine.engine_version for engine in self.engines.values() if engine.engine_version}))
 
     def add(self, engine: Engine, worker: Worker) -> None:
         engine.workers[(worker.pp_rank, worker.tp_rank)] = worker

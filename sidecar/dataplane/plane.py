@@ -12,12 +12,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvsidecar.v1 import common_pb2, peer_pb2
+from sidecar.dataplane.contract import DlistSpec, RemoteAgent, TransferResult, TransferSpec, Transport
 from sidecar.dataplane.plan.compatible import check_compatible
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
-from sidecar.dataplane.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
@@ -57,15 +59,14 @@ class EngineView:
         return bool(self.workers) and self.workers[0].layout.is_mla
 
 
-def layout_from_descriptor(worker: peer_pb2.WorkerDescriptor) -> WorkerLayout:
-    geometry = worker.geometry
+def worker_layout(
+    tp_rank: int, pp_rank: int, regions: tuple[RegionLayout, ...], geometry: common_pb2.KvGeometry, device_id: int
+) -> WorkerLayout:
+    """A worker's layout from its registered geometry (local registration or a peer's handshake)."""
     return WorkerLayout(
-        tp_rank=worker.tp_rank,
-        pp_rank=worker.pp_rank,
-        regions=tuple(
-            RegionLayout(region.name, region.base_address, region.block_len, region.block_stride, region.group_id)
-            for region in worker.regions
-        ),
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        regions=regions,
         num_blocks=geometry.num_blocks,
         physical_per_logical=geometry.physical_blocks_per_logical or 1,
         block_size=geometry.block_size,
@@ -73,8 +74,17 @@ def layout_from_descriptor(worker: peer_pb2.WorkerDescriptor) -> WorkerLayout:
         num_kv_heads=geometry.num_kv_heads,
         total_num_kv_heads=geometry.total_num_kv_heads,
         is_mla=geometry.is_mla,
-        device_id=worker.regions[0].device_id if worker.regions else 0,
+        device_id=device_id,
     )
+
+
+def layout_from_descriptor(worker: peer_pb2.WorkerDescriptor) -> WorkerLayout:
+    regions = tuple(
+        RegionLayout(region.name, region.base_address, region.block_len, region.block_stride, region.group_id)
+        for region in worker.regions
+    )
+    device_id = worker.regions[0].device_id if worker.regions else 0
+    return worker_layout(worker.tp_rank, worker.pp_rank, regions, worker.geometry, device_id)
 
 
 def view_from_descriptor(address: str, sidecar_id: str, engine: peer_pb2.EngineDescriptor) -> EngineView:
@@ -121,10 +131,30 @@ class LocalWorker:
     mem_type: str
 
 
+@dataclass(frozen=True)
+class TransferJob:
+    """One request's transfers: move ``initiator_blocks`` <-> ``target_blocks`` (same lengths per
+    group) between the local ``initiator`` workers and the ``target`` engine with ``op``, each
+    transfer notifying ``target_request_id`` on the target side.
+
+    ``timeout`` bounds every transfer; ``not_after`` (monotonic) refuses to post after it."""
+
+    op: str  # "READ" (pull: the consumer initiates) | "WRITE" (push: the producer initiates)
+    initiator: list[LocalWorker]
+    initiator_tp: int
+    target: EngineView
+    initiator_blocks: BlockIds
+    target_blocks: BlockIds
+    target_request_id: str
+    transfer_id: str
+    timeout: float
+    not_after: float | None = None
+
+
 class DataPlane:
     """Plans and posts one request's transfers between a local engine and an ``EngineView``."""
 
-    def __init__(self, transport: NixlTransport, sidecar_id: str) -> None:
+    def __init__(self, transport: Transport, sidecar_id: str) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
 
@@ -134,49 +164,22 @@ class DataPlane:
             [w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size
         )
 
-    async def run(
-        self,
-        op: str,
-        initiator: list[LocalWorker],
-        initiator_tp: int,
-        target: EngineView,
-        initiator_blocks: BlockIds,
-        target_blocks: BlockIds,
-        target_request_id: str,
-        transfer_id: str,
-        timeout: float,
-        not_after: float | None = None,
-    ) -> TransferOutcome:
-        """Move ``initiator_blocks`` <-> ``target_blocks`` (same lengths) with ``op`` and attach a
-        notification for ``target_request_id`` to every transfer. Waits for all of them."""
-        deadline = time.monotonic() + timeout
+    async def run(self, job: TransferJob) -> TransferOutcome:
+        """Post every transfer of ``job`` (per initiator worker and TP pairing) and wait for all."""
+        deadline = time.monotonic() + job.timeout
+        target = job.target
         is_mla = target.is_mla
         jobs = []
-        for worker in initiator:
-            local_ids = descriptor_indices(worker.layout, initiator_blocks)
-            for pairing in pairings(initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
+        for worker in job.initiator:
+            local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
+            for pairing in pairings(job.initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
-                jobs.append(
-                    self._post(
-                        op,
-                        worker,
-                        other,
-                        pairing,
-                        local_ids,
-                        target_blocks,
-                        target,
-                        target_request_id,
-                        transfer_id,
-                        initiator_tp,
-                        deadline,
-                        not_after,
-                    )
-                )
-        for rank in unpaired_targets(initiator_tp, target.tp_size, is_mla):
-            for worker in initiator:
+                jobs.append(self._post(job, worker, other, pairing, local_ids, deadline))
+        for rank in unpaired_targets(job.initiator_tp, target.tp_size, is_mla):
+            for worker in job.initiator:
                 if worker.layout.tp_rank == 0:
                     other = target.worker(rank, worker.layout.pp_rank)
-                    payload = self.notice(target, target_request_id, transfer_id, initiator_tp, rank)
+                    payload = self.notice(target, job.target_request_id, job.transfer_id, job.initiator_tp, rank)
                     jobs.append(self._notify_only(worker, other, payload))
         results = list(await asyncio.gather(*jobs))
         failed = [result for result in results if not result.ok]
@@ -202,32 +205,28 @@ class DataPlane:
 
     async def _post(
         self,
-        op: str,
+        job: TransferJob,
         worker: LocalWorker,
         other: WorkerView,
         pairing: Pairing,
-        local_ids: object,
-        target_blocks: BlockIds,
-        target: EngineView,
-        target_request_id: str,
-        transfer_id: str,
-        initiator_tp: int,
+        local_ids: np.ndarray,
         deadline: float,
-        not_after: float | None,
     ) -> TransferResult:
-        remote_ids = descriptor_indices(other.layout, target_blocks)
-        payload = self.notice(target, target_request_id, transfer_id, initiator_tp, pairing.target_rank)
+        remote_ids = descriptor_indices(other.layout, job.target_blocks)
+        payload = self.notice(job.target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank)
         return await self._transport.transfer(
-            worker.agent_name,
-            op,
-            other.agent,
-            _view_spec(worker.layout, pairing.initiator_slice, worker.mem_type),
-            local_ids,  # type: ignore[arg-type]
-            _view_spec(other.layout, pairing.target_slice, other.mem_type),
-            remote_ids,
-            payload,
-            deadline,
-            not_after,
+            TransferSpec(
+                agent_name=worker.agent_name,
+                op=job.op,
+                remote=other.agent,
+                local_list=_view_spec(worker.layout, pairing.initiator_slice, worker.mem_type),
+                local_indices=local_ids,
+                remote_list=_view_spec(other.layout, pairing.target_slice, other.mem_type),
+                remote_indices=remote_ids,
+                notification=payload,
+                deadline=deadline,
+                not_after=job.not_after,
+            )
         )
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:

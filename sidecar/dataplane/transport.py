@@ -34,9 +34,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sidecar.config import NixlSettings
+from sidecar.dataplane.contract import (
+    DlistSpec,
+    NotificationsCallback,
+    RemoteAgent,
+    TransferResult,
+    TransferSpec,
+    XferDoneCallback,
+)
 from sidecar.logs import get_logger, route_foreign_loggers
 
 log = get_logger("kvsidecar.transport")
@@ -82,34 +88,6 @@ def load_nixl() -> tuple[Any, str]:
     return api, nixl_version
 
 
-@dataclass(frozen=True)
-class DlistSpec:
-    """A descriptor list to prepare once and reuse. ``build`` runs on the owner thread."""
-
-    key: Hashable
-    build: Callable[[], np.ndarray]
-    mem_type: str = "DRAM"
-
-
-@dataclass(frozen=True)
-class RemoteAgent:
-    """A peer's agent as the handshake described it."""
-
-    name: str
-    metadata: bytes
-
-
-@dataclass
-class TransferResult:
-    ok: bool
-    error: str = ""
-    bytes: int = 0
-    descriptors: int = 0
-    duration_s: float = 0.0
-    post_s: float = 0.0
-    peer_gone: bool = False
-
-
 @dataclass
 class _Agent:
     agent: Any
@@ -135,8 +113,8 @@ class NixlTransport:
     def __init__(
         self,
         settings: NixlSettings,
-        on_notifications: Callable[[list[tuple[str, bytes]]], None],
-        on_xfer_done: Callable[[str, TransferResult], None] | None = None,
+        on_notifications: NotificationsCallback,
+        on_xfer_done: XferDoneCallback | None = None,
     ) -> None:
         self._settings = settings
         self._api, self.nixl_version = load_nixl()
@@ -195,26 +173,10 @@ class NixlTransport:
         """Unload remote agents (a peer restarted or its engine re-registered)."""
         await self._call(self._drop_remote, names)
 
-    async def transfer(
-        self,
-        agent_name: str,
-        op: str,
-        remote: RemoteAgent,
-        local_list: DlistSpec,
-        local_indices: np.ndarray,
-        remote_list: DlistSpec,
-        remote_indices: np.ndarray,
-        notification: bytes,
-        deadline: float,
-        not_after: float | None = None,
-    ) -> TransferResult:
-        """Post one READ or WRITE and wait for its end. Never raises for transfer failures.
-
-        ``not_after`` (monotonic) refuses to post once passed, e.g. when the producer's lease ended.
-        """
+    async def transfer(self, spec: TransferSpec) -> TransferResult:
+        """Post one READ or WRITE and wait for its end. Never raises for transfer failures."""
         future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
-        args = (agent_name, op, remote, local_list, local_indices, remote_list, remote_indices)
-        self._commands.put((self._post, (*args, notification, deadline, not_after, future), future))
+        self._commands.put((self._post, (spec, future), future))
         return await asyncio.wrap_future(future)
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
@@ -445,23 +407,11 @@ class NixlTransport:
             state.dlists[slot] = handle
         return handle
 
-    def _post(
-        self,
-        agent_name: str,
-        op: str,
-        remote: RemoteAgent,
-        local_list: DlistSpec,
-        local_indices: np.ndarray,
-        remote_list: DlistSpec,
-        remote_indices: np.ndarray,
-        notification: bytes,
-        deadline: float,
-        not_after: float | None,
-        future: concurrent.futures.Future[TransferResult],
-    ) -> object:
+    def _post(self, spec: TransferSpec, future: concurrent.futures.Future[TransferResult]) -> object:
         """Post a transfer; its future completes later, from _poll (hence _DEFERRED)."""
+        agent_name, op, remote = spec.agent_name, spec.op, spec.remote
         now = time.monotonic()
-        if not_after is not None and now > not_after:
+        if spec.not_after is not None and now > spec.not_after:
             self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
             return _DEFERRED
         state = self._agents.get(agent_name)
@@ -470,17 +420,17 @@ class NixlTransport:
             return _DEFERRED
         try:
             self._ensure_remote(state, remote)
-            local_handle = self._dlist(state, _LOCAL, local_list)
-            remote_handle = self._dlist(state, remote.name, remote_list)
+            local_handle = self._dlist(state, _LOCAL, spec.local_list)
+            remote_handle = self._dlist(state, remote.name, spec.remote_list)
             handle = state.agent.make_prepped_xfer(
-                op, local_handle, local_indices, remote_handle, remote_indices, notif_msg=notification
+                op, local_handle, spec.local_indices, remote_handle, spec.remote_indices, notif_msg=spec.notification
             )
         except Exception as exc:
             self._complete(
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
-        xfer = _InFlight(agent_name, handle, op, deadline, future, now)
+        xfer = _InFlight(agent_name, handle, op, spec.deadline, future, now)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:

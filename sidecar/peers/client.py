@@ -1,10 +1,12 @@
-"""Calls to peer sidecars, and the handshake cache.
+"""The typed client of peer sidecars, and the handshake cache.
 
-Every call goes through ``PeerDirectory.call``: to this sidecar's own peer handlers directly when
-the address is our own (the same-node path never leaves the process), otherwise over a pooled
-gRPC channel with a deadline. Every response names the peer's instance id; a new id means the
-peer restarted, so everything cached about it is dropped (and its NIXL agents unloaded through
-``on_peer_restart``) before the next use re-handshakes.
+One method per PeerService RPC (``handshake``, ``push_reg``, ``heartbeat``, ``query_cache``,
+``transfer_failed``, ``release``). Each goes to this sidecar's own handlers through the routing
+table (``peers.routes``) when the address is our own (the same-node path never leaves the
+process), otherwise over a pooled gRPC channel (``peers.channels``) with a deadline. Every
+response names the peer's instance id; a new id means the peer restarted, so everything cached
+about it is dropped (and its NIXL agents unloaded through ``on_peer_restart``) before the next use
+re-handshakes.
 
 Handshakes are cached per (address, engine) and deduplicated per key: a slow peer delays only the
 requests that need it. Runs on the event loop thread.
@@ -13,46 +15,26 @@ requests that need it. Runs on the event loop thread.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
-from sidecar.config import Settings, split_host_port
+from sidecar.config import Settings
 from sidecar.dataplane.plane import EngineView, view_from_descriptor
 from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SidecarError, Unavailable
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
+from sidecar.peers.addresses import SelfAddresses, address_key
+from sidecar.peers.channels import PeerChannels
+from sidecar.peers.routes import PeerRoutes
 
 log = get_logger("kvsidecar.peers")
 
-
-class PeerHandler(Protocol):
-    """The peer-facing side of a node (what PeerService serves)."""
-
-    async def handle_handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse: ...
-    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse: ...
-    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse: ...
-    async def handle_query_cache(self, request: peer_pb2.PeerQueryCacheRequest) -> peer_pb2.PeerQueryCacheResponse: ...
-    async def handle_transfer_failed(
-        self, request: peer_pb2.TransferFailedRequest
-    ) -> peer_pb2.TransferFailedResponse: ...
-    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse: ...
-    def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView: ...
-
-
-_HANDLERS = {
-    "Handshake": "handle_handshake",
-    "PushReg": "handle_push_reg",
-    "Heartbeat": "handle_heartbeat",
-    "QueryCache": "handle_query_cache",
-    "TransferFailed": "handle_transfer_failed",
-    "Release": "handle_release",
-}
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
@@ -72,50 +54,39 @@ class _PeerState:
     consecutive_failures: int = 0
 
 
-def normalize_address(address: str) -> str:
-    host, port = split_host_port(address, "address")
-    host = host.lower()
-    if host in ("localhost", "::1", "0.0.0.0", "::"):
-        host = "127.0.0.1"
-    return f"{host}:{port}"
-
-
-class PeerDirectory:
+class PeerClient:
     def __init__(
         self,
         settings: Settings,
-        local: PeerHandler,
         self_info: Callable[[], common_pb2.SidecarInfo],
         on_peer_restart: Callable[[str, list[str]], Awaitable[None]],
         metrics: SidecarMetrics,
     ) -> None:
         self._settings = settings
-        self._local = local
         self._self_info = self_info
         self._on_peer_restart = on_peer_restart
         self._metrics = metrics
-        self._channels: dict[str, tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]] = {}
+        self._channels = PeerChannels(settings)
+        self._local: PeerRoutes | None = None
         self._engines: dict[tuple[str, str], EngineView] = {}
         self._handshakes: dict[tuple[str, str], asyncio.Future[EngineView]] = {}
         self._peers: dict[str, _PeerState] = {}
-        self._self_addresses: set[str] = set()
+        self._self_addresses = SelfAddresses()
+
+    def bind_local(self, routes: PeerRoutes) -> None:
+        """This sidecar's own handlers, for calls to its own address (set once by the node)."""
+        self._local = routes
 
     def set_self_addresses(self, addresses: list[str]) -> None:
         """Our own PeerService addresses (advertised and bound), in every spelling we can think of."""
-        spelled: set[str] = set()
-        for address in addresses:
-            host, port = split_host_port(address, "address")
-            spelled.add(normalize_address(address))
-            if host in ("0.0.0.0", "::", ""):
-                try:
-                    for ip in socket.gethostbyname_ex(socket.gethostname())[2]:
-                        spelled.add(f"{ip}:{port}")
-                except OSError:
-                    pass
-        self._self_addresses = spelled
+        self._self_addresses.set(addresses)
 
     def is_self(self, address: str) -> bool:
-        return not address or normalize_address(address) in self._self_addresses
+        return address in self._self_addresses
+
+    def _routes(self) -> PeerRoutes:
+        assert self._local is not None, "bind_local() was not called"
+        return self._local
 
     # --- handshakes -------------------------------------------------------------------------
 
@@ -124,7 +95,7 @@ class PeerDirectory:
 
         Our own engines are read from the registry every time: always current, never cached."""
         if self.is_self(address):
-            return self._local.local_engine_view(engine_id, compatibility_hash)
+            return self._routes().local_engine_view(engine_id, compatibility_hash)
         key = (self._key(address), engine_id)
         cached = self._engines.get(key)
         if cached is not None:
@@ -143,7 +114,7 @@ class PeerDirectory:
         started = time.monotonic()
         sent_unix = time.time()
         try:
-            response: peer_pb2.HandshakeResponse = await self.call(address, "Handshake", request)
+            response = await self.handshake(address, request)
         except SidecarError as exc:
             reason = type(exc).__name__
             self._metrics.handshake_failures.labels(reason=reason).inc()
@@ -205,16 +176,49 @@ class PeerDirectory:
 
     # --- calls ------------------------------------------------------------------------------
 
-    async def call(self, address: str, method: str, request: Any) -> Any:
-        """Call a PeerService method on ``address`` (or on ourselves) with a deadline."""
+    async def handshake(self, address: str, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
+        response = await self._call(address, request, lambda r: r.handshake, lambda s: s.Handshake)
+        return cast(peer_pb2.HandshakeResponse, response)
+
+    async def push_reg(self, address: str, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
+        response = await self._call(address, request, lambda r: r.push_reg, lambda s: s.PushReg)
+        return cast(peer_pb2.PushRegResponse, response)
+
+    async def heartbeat(self, address: str, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
+        response = await self._call(address, request, lambda r: r.heartbeat, lambda s: s.Heartbeat)
+        return cast(peer_pb2.HeartbeatResponse, response)
+
+    async def query_cache(
+        self, address: str, request: peer_pb2.PeerQueryCacheRequest
+    ) -> peer_pb2.PeerQueryCacheResponse:
+        response = await self._call(address, request, lambda r: r.query_cache, lambda s: s.QueryCache)
+        return cast(peer_pb2.PeerQueryCacheResponse, response)
+
+    async def transfer_failed(
+        self, address: str, request: peer_pb2.TransferFailedRequest
+    ) -> peer_pb2.TransferFailedResponse:
+        response = await self._call(address, request, lambda r: r.transfer_failed, lambda s: s.TransferFailed)
+        return cast(peer_pb2.TransferFailedResponse, response)
+
+    async def release(self, address: str, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
+        response = await self._call(address, request, lambda r: r.release, lambda s: s.Release)
+        return cast(peer_pb2.PeerReleaseResponse, response)
+
+    async def _call(
+        self,
+        address: str,
+        request: Message,
+        local: Callable[[PeerRoutes], Callable[[Any], Awaitable[Message]]],
+        remote: Callable[[peer_pb2_grpc.PeerServiceStub], Callable[..., Awaitable[Message]]],
+    ) -> Message:
+        """One PeerService call on ``address`` (or on ourselves) with a deadline."""
         if self.is_self(address):
-            response = await getattr(self._local, _HANDLERS[method])(request)
-            return response
-        _, stub = self._channel(address)
+            return await local(self._routes())(request)
+        stub = self._channels.stub(address)
         try:
             # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
             # gets until the deadline to come back instead of failing the call at once.
-            response = await getattr(stub, method)(
+            response = await remote(stub)(
                 request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
@@ -237,31 +241,6 @@ class PeerDirectory:
             await self.forget(address, "peer restarted")
         state.sidecar_id = sidecar_id
 
-    def _channel(self, address: str) -> tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]:
-        entry = self._channels.get(address)
-        if entry is None:
-            options = [
-                ("grpc.max_send_message_length", self._settings.max_message_bytes),
-                ("grpc.max_receive_message_length", self._settings.max_message_bytes),
-                ("grpc.keepalive_time_ms", 20_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                # Reconnect quickly after a peer restarts instead of backing off for minutes.
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ]
-            if self._settings.tls_enabled:
-                assert self._settings.peer_tls_ca and self._settings.peer_tls_key and self._settings.peer_tls_cert
-                credentials = grpc.ssl_channel_credentials(
-                    root_certificates=self._settings.peer_tls_ca.read_bytes(),
-                    private_key=self._settings.peer_tls_key.read_bytes(),
-                    certificate_chain=self._settings.peer_tls_cert.read_bytes(),
-                )
-                channel = grpc.aio.secure_channel(address, credentials, options=options)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=options)
-            entry = (channel, peer_pb2_grpc.PeerServiceStub(channel))
-            self._channels[address] = entry
-        return entry
-
     def _state(self, address: str) -> _PeerState:
         key = self._key(address)
         state = self._peers.get(key)
@@ -271,7 +250,7 @@ class PeerDirectory:
 
     @staticmethod
     def _key(address: str) -> str:
-        return normalize_address(address) if address else ""
+        return address_key(address)
 
     def status(self) -> list[engine_pb2.PeerStatus]:
         now = time.monotonic()
@@ -294,12 +273,10 @@ class PeerDirectory:
         return self._state(address).consecutive_failures
 
     async def close(self) -> None:
-        for channel, _ in self._channels.values():
-            await channel.close(grace=None)
-        self._channels.clear()
+        await self._channels.close()
 
 
-def _responder_id(response: Any) -> str:
+def _responder_id(response: Message) -> str:
     if isinstance(response, peer_pb2.HandshakeResponse):
         return str(response.sidecar.sidecar_id)
     return str(getattr(response, "sidecar_id", ""))

@@ -20,7 +20,7 @@ import grpc
 
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def kill_group(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
