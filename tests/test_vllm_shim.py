@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from bench.shim_step import kv_cache_config  # noqa: E402
 from engine_shim.vllm.compat import compat_factors  # noqa: E402
 from engine_shim.vllm.config import ShimConfig  # noqa: E402
 from engine_shim.vllm.scheduler import SchedulerSide  # noqa: E402
@@ -57,7 +58,7 @@ class KeepAliveClient:
 def vllm_config(engine_id: str = "decode-0") -> Any:
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role="kv_both"),
-        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(
             model="tiny-llama",
@@ -120,30 +121,9 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
         scheduler.client = real_client
 
 
-def kv_cache_config(layout: str | None, num_blocks: int = 4) -> Any:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    block_stride = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=num_blocks * block_stride * len(layers),
-                layers=layers,
-                layer_stride=num_blocks * block_stride,
-                block_stride=block_stride,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
-        kv_cache_layout=layout,
-    )
-
-
 def registration(tmp_path: Path, layout: str) -> Any:
     """The RegisterWorker request a worker builds for a KV cache of ``layout`` (in a shm file under tmp)."""
-    config = kv_cache_config(layout)
+    config = kv_cache_config(None, num_blocks=4, layout=layout)
     shim = ShimConfig(sidecar_socket=str(tmp_path / "no-sidecar.sock"), shm_dir=str(tmp_path))
     worker = WorkerSide(vllm_config(), config, shim)
     try:
@@ -152,7 +132,7 @@ def registration(tmp_path: Path, layout: str) -> Any:
         (tensor_config,) = config.kv_cache_tensors
         with context:
             whole = torch.zeros(tensor_config.size, dtype=torch.int8)
-        per_layer = whole.view(torch.float32).view(2, config.num_blocks, 2, 16, 2, 32)
+        per_layer = whole.view(torch.float32).view(2, config.num_blocks, 2, 32, 2, 32)
         kv_caches = {name: per_layer[index] for index, name in enumerate(tensor_config.layers)}
         return worker._build_registration(kv_caches)
     finally:
