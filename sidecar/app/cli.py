@@ -1,4 +1,4 @@
-"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``demo``, ``bench``, ``proxy``.
+"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``demo``, ``bench``.
 
 Subcommands import their heavy modules lazily, so ``kvsidecar status`` starts fast.
 """
