@@ -46,6 +46,7 @@ class Handshakes:
 
     async def handle(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         validation.identifier(request.engine_id, "engine_id")
+        validation.address(request.caller.address, "caller.address", required=False)
         if request.caller.versions.protocol and request.caller.versions.protocol != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol revision {request.caller.versions.protocol} is not {PROTOCOL_VERSION}; "

@@ -50,6 +50,9 @@ class Holds:
         validation.identifier(request.engine_id, "engine_id")
         if not request.conversation_id and not request.request_id:
             raise InvalidArgument("conversation_id", "conversation_id or request_id is required")
+        validation.address(request.address, "address", required=False)
+        validation.identifier(request.conversation_id, "conversation_id", required=False)
+        validation.identifier(request.request_id, "request_id", required=False)
         peer_request = peer_pb2.PeerQueryCacheRequest(
             caller_sidecar_id=self._ctx.identity.sidecar_id,
             conversation_id=request.conversation_id,

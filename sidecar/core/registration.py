@@ -26,7 +26,7 @@ from sidecar.core.registry import Engine, Worker, worker_id
 from sidecar.dataplane.memory import ExportSpec, MappedMemory, MemoryImporter
 from sidecar.dataplane.plan.layout import RegionLayout
 from sidecar.dataplane.plane import worker_layout
-from sidecar.errors import FailedPrecondition, NotFound, Unavailable
+from sidecar.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.node")
@@ -45,6 +45,12 @@ class Registrations:
         if ctx.tasks.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         spec = validation.register_worker(request)
+        if spec.tp_size * spec.pp_size > ctx.settings.max_workers_per_engine:
+            # An engine's workers are its TP x PP ranks: this bounds them before any is mapped.
+            raise ResourceExhausted(
+                f"tp_size x pp_size: {spec.tp_size} x {spec.pp_size} workers, the limit is "
+                f"max_workers_per_engine={ctx.settings.max_workers_per_engine}"
+            )
         existing = ctx.registry.worker(spec.engine_id, spec.tp_rank, spec.pp_rank)
         if existing is not None:
             if existing.fingerprint == spec.fingerprint:
@@ -65,6 +71,11 @@ class Registrations:
                         "unregister them first"
                     )
         else:
+            if len(ctx.registry.engines) >= ctx.settings.max_engines:
+                raise ResourceExhausted(
+                    f"engine_id: {len(ctx.registry.engines)} engines are registered, the limit is "
+                    f"max_engines={ctx.settings.max_engines}"
+                )
             engine = Engine(
                 spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version
             )

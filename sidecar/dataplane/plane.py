@@ -16,6 +16,7 @@ import numpy as np
 
 from kvsidecar.v1 import common_pb2, peer_pb2
 from sidecar.dataplane.contract import DlistSpec, RemoteAgent, TransferResult, TransferSpec, Transport
+from sidecar.dataplane.plan.blocks import check_block_ids
 from sidecar.dataplane.plan.compatible import check_compatible
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
@@ -57,6 +58,15 @@ class EngineView:
     @property
     def is_mla(self) -> bool:
         return bool(self.workers) and self.workers[0].layout.is_mla
+
+    def block_ids_problem(self, block_ids: BlockIds) -> str | None:
+        """Why ``block_ids`` do not name blocks of this engine (out of range, repeated, too many
+        groups), or None: checked against the geometry its sidecar advertised."""
+        if not self.workers:
+            return f"engine {self.engine_id} has no workers"
+        layout = self.workers[0].layout
+        num_groups = 1 + max((region.group_id for region in layout.regions), default=0)
+        return check_block_ids(block_ids, num_groups, layout.num_blocks, layout.physical_per_logical)
 
 
 def worker_layout(

@@ -7,10 +7,16 @@ from __future__ import annotations
 import socket
 
 from sidecar.config import split_host_port
+from sidecar.errors import InvalidArgument
 
 
 def normalize_address(address: str) -> str:
-    host, port = split_host_port(address, "address")
+    """One spelling per peer; raises InvalidArgument for an address that is not HOST:PORT (callers
+    validate addresses at the API boundary, so this is a last line, not the check)."""
+    try:
+        host, port = split_host_port(address, "address")
+    except ValueError as exc:
+        raise InvalidArgument("address", str(exc)) from None
     host = host.lower()
     if host in ("localhost", "::1", "0.0.0.0", "::"):
         host = "127.0.0.1"

@@ -26,7 +26,15 @@ from google.protobuf.message import Message
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
 from sidecar.config import Settings
 from sidecar.dataplane.plane import EngineView, view_from_descriptor
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SidecarError, Unavailable
+from sidecar.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    PeerInvalidArgument,
+    ResourceExhausted,
+    SidecarError,
+    Unavailable,
+)
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.addresses import SelfAddresses, address_key
@@ -39,7 +47,7 @@ log = get_logger("kvsidecar.peers")
 _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.INVALID_ARGUMENT: PeerInvalidArgument,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 
@@ -70,7 +78,12 @@ class PeerClient:
         self._local: PeerRoutes | None = None
         self._engines: dict[tuple[str, str], EngineView] = {}
         self._handshakes: dict[tuple[str, str], asyncio.Future[EngineView]] = {}
+        # Peers that completed a handshake (what GetStatus lists), at most settings.max_peers.
         self._peers: dict[str, _PeerState] = {}
+        # Consecutive failed calls per peer, handshaken or not (a keep-alive heartbeats a producer
+        # before any handshake); cleared by an answer, bounded like the table.
+        self._failures: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
         self._self_addresses = SelfAddresses()
 
     def bind_local(self, routes: PeerRoutes) -> None:
@@ -122,7 +135,9 @@ class PeerClient:
             raise
         elapsed = time.monotonic() - started
         self._metrics.handshake_duration.observe(elapsed)
-        state = self._state(address)
+        state = self._remember(address)
+        state.sidecar_id = response.sidecar.sidecar_id
+        state.last_seen = time.monotonic()
         state.handshake_ms = elapsed * 1000.0
         if response.sidecar.clock_unix_s:
             midpoint = sent_unix + elapsed / 2.0
@@ -164,6 +179,15 @@ class PeerClient:
                 state.sidecar_id = info.sidecar_id
                 await self.forget(info.address, "peer restarted")
 
+    def cached_view(self, address: str, engine_id: str) -> EngineView | None:
+        """The engine as its last handshake described it, if one is cached (never dials)."""
+        if self.is_self(address):
+            try:
+                return self._routes().local_engine_view(engine_id, "")
+            except SidecarError:
+                return None
+        return self._engines.get((self._key(address), engine_id))
+
     def cached_generation(self, address: str, engine_id: str) -> str | None:
         view = self._engines.get((self._key(address), engine_id))
         return None if view is None else view.generation
@@ -176,32 +200,42 @@ class PeerClient:
 
     # --- calls ------------------------------------------------------------------------------
 
-    async def handshake(self, address: str, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
-        response = await self._call(address, request, lambda r: r.handshake, lambda s: s.Handshake)
+    async def handshake(
+        self, address: str, request: peer_pb2.HandshakeRequest, wait_for_ready: bool = True
+    ) -> peer_pb2.HandshakeResponse:
+        response = await self._call(address, request, lambda r: r.handshake, lambda s: s.Handshake, wait_for_ready)
         return cast(peer_pb2.HandshakeResponse, response)
 
-    async def push_reg(self, address: str, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
-        response = await self._call(address, request, lambda r: r.push_reg, lambda s: s.PushReg)
+    async def push_reg(
+        self, address: str, request: peer_pb2.PushRegRequest, wait_for_ready: bool = True
+    ) -> peer_pb2.PushRegResponse:
+        response = await self._call(address, request, lambda r: r.push_reg, lambda s: s.PushReg, wait_for_ready)
         return cast(peer_pb2.PushRegResponse, response)
 
-    async def heartbeat(self, address: str, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
-        response = await self._call(address, request, lambda r: r.heartbeat, lambda s: s.Heartbeat)
+    async def heartbeat(
+        self, address: str, request: peer_pb2.HeartbeatRequest, wait_for_ready: bool = True
+    ) -> peer_pb2.HeartbeatResponse:
+        response = await self._call(address, request, lambda r: r.heartbeat, lambda s: s.Heartbeat, wait_for_ready)
         return cast(peer_pb2.HeartbeatResponse, response)
 
     async def query_cache(
-        self, address: str, request: peer_pb2.PeerQueryCacheRequest
+        self, address: str, request: peer_pb2.PeerQueryCacheRequest, wait_for_ready: bool = True
     ) -> peer_pb2.PeerQueryCacheResponse:
-        response = await self._call(address, request, lambda r: r.query_cache, lambda s: s.QueryCache)
+        response = await self._call(address, request, lambda r: r.query_cache, lambda s: s.QueryCache, wait_for_ready)
         return cast(peer_pb2.PeerQueryCacheResponse, response)
 
     async def transfer_failed(
-        self, address: str, request: peer_pb2.TransferFailedRequest
+        self, address: str, request: peer_pb2.TransferFailedRequest, wait_for_ready: bool = True
     ) -> peer_pb2.TransferFailedResponse:
-        response = await self._call(address, request, lambda r: r.transfer_failed, lambda s: s.TransferFailed)
+        response = await self._call(
+            address, request, lambda r: r.transfer_failed, lambda s: s.TransferFailed, wait_for_ready
+        )
         return cast(peer_pb2.TransferFailedResponse, response)
 
-    async def release(self, address: str, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
-        response = await self._call(address, request, lambda r: r.release, lambda s: s.Release)
+    async def release(
+        self, address: str, request: peer_pb2.PeerReleaseRequest, wait_for_ready: bool = True
+    ) -> peer_pb2.PeerReleaseResponse:
+        response = await self._call(address, request, lambda r: r.release, lambda s: s.Release, wait_for_ready)
         return cast(peer_pb2.PeerReleaseResponse, response)
 
     async def _call(
@@ -210,27 +244,59 @@ class PeerClient:
         request: Message,
         local: Callable[[PeerRoutes], Callable[[Any], Awaitable[Message]]],
         remote: Callable[[peer_pb2_grpc.PeerServiceStub], Callable[..., Awaitable[Message]]],
+        wait_for_ready: bool = True,
     ) -> Message:
-        """One PeerService call on ``address`` (or on ourselves) with a deadline."""
+        """One PeerService call on ``address`` (or on ourselves) with a deadline.
+
+        ``wait_for_ready=False`` fails at once (UNAVAILABLE) when nothing listens at ``address``,
+        instead of waiting out the deadline for a peer that may be restarting: what a heartbeat
+        wants, so a dead peer is detected in heartbeat periods, not periods + call timeouts."""
         if self.is_self(address):
             return await local(self._routes())(request)
-        stub = self._channels.stub(address)
+        key = self._key(address)
+        stub = await self._channels.stub(address, self._may_close)
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+        failed = False
         try:
             # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
             # gets until the deadline to come back instead of failing the call at once.
             response = await remote(stub)(
-                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=True
+                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=wait_for_ready
             )
         except grpc.aio.AioRpcError as exc:
-            state = self._state(address)
-            state.consecutive_failures += 1
+            failed = True
+            self._count_failure(key)
             error_type = _STATUS_ERRORS.get(exc.code(), Unavailable)
             raise error_type(f"peer {address}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            self._in_flight[address] -= 1
+            if not self._in_flight[address]:
+                del self._in_flight[address]
+                if failed and key not in self._peers:
+                    # Never handshaken and not answering: keep no channel (each holds memory and a
+                    # socket); a later call dials again.
+                    await self._channels.close_one(address)
         await self._observe(address, _responder_id(response))
         return response
 
+    def _may_close(self, address: str) -> bool:
+        """A channel the pool may close to make room: no call uses it, no handshake needs it."""
+        return address not in self._in_flight and self._key(address) not in self._peers
+
+    def _count_failure(self, key: str) -> None:
+        self._failures[key] = self._failures.pop(key, 0) + 1  # re-inserted: the dict stays in LRU order
+        state = self._peers.get(key)
+        if state is not None:
+            state.consecutive_failures = self._failures[key]
+        while len(self._failures) > self._settings.max_peers:
+            del self._failures[next(iter(self._failures))]
+
     async def _observe(self, address: str, sidecar_id: str) -> None:
-        state = self._state(address)
+        key = self._key(address)
+        self._failures.pop(key, None)
+        state = self._peers.get(key)
+        if state is None:
+            return  # not a handshaken peer: nothing cached about it that could be stale
         state.last_seen = time.monotonic()
         state.consecutive_failures = 0
         if not sidecar_id:
@@ -241,11 +307,23 @@ class PeerClient:
             await self.forget(address, "peer restarted")
         state.sidecar_id = sidecar_id
 
-    def _state(self, address: str) -> _PeerState:
+    def _remember(self, address: str) -> _PeerState:
+        """The table entry of a peer that just completed a handshake. A full table first drops
+        peers with no cached engine (forgotten), least recently seen first."""
         key = self._key(address)
         state = self._peers.get(key)
-        if state is None:
-            state = self._peers[key] = _PeerState(address=address)
+        if state is not None:
+            return state
+        if len(self._peers) >= self._settings.max_peers:
+            cached = {peer for peer, _ in self._engines}
+            stale = sorted((s.last_seen, k) for k, s in self._peers.items() if k not in cached)
+            for _, old in stale[: len(self._peers) - self._settings.max_peers + 1]:
+                del self._peers[old]
+            if len(self._peers) >= self._settings.max_peers:
+                raise ResourceExhausted(
+                    f"{len(self._peers)} peer sidecars are in use, the limit is max_peers={self._settings.max_peers}"
+                )
+        state = self._peers[key] = _PeerState(address=address)
         return state
 
     @staticmethod
@@ -270,7 +348,7 @@ class PeerClient:
         return rows
 
     def failures(self, address: str) -> int:
-        return self._state(address).consecutive_failures
+        return self._failures.get(self._key(address), 0)
 
     async def close(self) -> None:
         await self._channels.close()

@@ -34,3 +34,15 @@ def check_block_ids(block_ids: BlockIds, num_groups: int, num_blocks: int, physi
         if len(set(ids)) != len(ids):
             return f"group {group}: block ids repeat"
     return None
+
+
+def foreign_block_ids(named: BlockIds, submitted: BlockIds) -> str | None:
+    """Why ``named`` (a consumer's idea of a producer request's blocks) is not a subset of the
+    blocks the producer ``submitted`` for it, group by group, or None."""
+    if len(named) > len(submitted):
+        return f"{len(named)} KV cache groups named, {len(submitted)} submitted"
+    for group, (ids, mine) in enumerate(zip(named, submitted, strict=False)):
+        outside = set(ids).difference(mine)
+        if outside:
+            return f"group {group}: block {min(outside)} was not submitted for this request"
+    return None

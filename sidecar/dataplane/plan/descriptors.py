@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sidecar.dataplane.plan.layout import BlockIds, Slice, WorkerLayout
+from sidecar.dataplane.plan.layout import BlockIds, PlanError, Slice, WorkerLayout
 
 
 def view_descriptors(worker: WorkerLayout, view: Slice) -> np.ndarray:
@@ -35,7 +35,17 @@ def physical_block_ids(logical: Sequence[int], physical_per_logical: int) -> np.
 
 
 def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
-    """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region."""
+    """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region.
+
+    Raises PlanError for an id past the worker's blocks or listed twice: requests are validated
+    before they get here, and this keeps a descriptor from ever landing outside the named blocks
+    (an id past the end would select the next region's blocks)."""
+    limit = worker.num_blocks // max(worker.physical_per_logical, 1)
+    for group, ids in enumerate(block_ids):
+        if ids and max(ids) >= limit:
+            raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"group {group}: block ids repeat")
     per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
     parts = []
     for region_index, region in enumerate(worker.regions):
