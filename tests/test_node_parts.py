@@ -284,3 +284,58 @@ def test_other_rpcs_are_served_while_a_registration_prefaults_its_memory(tmp_pat
                 buffer.close()
 
     run(scenario)
+
+
+def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
+    """No hub: the producer, its holds and registration are built from a NodeContext alone (what a
+    part may use is what the context holds), and a submitted request's lease still ends in
+    LEASE_EXPIRED on the engine's event queue."""
+    from sidecar.core.context import Identity, NodeContext, Tasks
+    from sidecar.core.events import WorkerEvents
+    from sidecar.core.holds import Holds
+    from sidecar.core.producer import ProducerSide
+    from sidecar.core.registration import Registrations
+    from sidecar.core.registry import Registry
+    from sidecar.dataplane.memory import MemoryImporter
+    from sidecar.dataplane.plane import DataPlane
+    from sidecar.metrics import SidecarMetrics
+    from sidecar.peers.client import PeerClient
+
+    async def scenario() -> None:
+        config = settings(tmp_path)
+        transport = FakeFabric().transport(config.nixl, lambda batch: None, lambda op, result: None)
+        transport.start(asyncio.get_running_loop())
+        metrics = SidecarMetrics(transport.nixl_version)
+        registry = Registry()
+        identity = Identity(config, transport.nixl_version, registry)
+
+        async def unload(address: str, names: list[str]) -> None:
+            return None
+
+        ctx = NodeContext(
+            settings=config,
+            identity=identity,
+            registry=registry,
+            peers=PeerClient(config, identity.info, unload, metrics),
+            dataplane=DataPlane(transport, identity.sidecar_id),
+            transport=transport,
+            metrics=metrics,
+            events=WorkerEvents(config, registry, metrics, identity.sidecar_id),
+            tasks=Tasks(config),
+        )
+        registrations = Registrations(ctx, MemoryImporter(config.shm_dirs, populate=False))
+        producer = ProducerSide(ctx, Holds(ctx))
+        with SharedBuffer(LAYOUT.total_bytes) as buffer:
+            await registrations.register_worker(
+                kv_registration(P, common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+            )
+            await producer.submit(SidecarClient.submit_request(P, "solo", [[1, 2]], lease_seconds=0.2))
+            worker = registry.worker(P, 0, 0)
+            assert worker is not None
+            event = await asyncio.wait_for(worker.events.get(), 5)
+            assert isinstance(event, engine_pb2.Event) and event.kind == engine_pb2.LEASE_EXPIRED
+            assert not producer.requests
+            await registrations.remove_worker(worker, "test over")
+            producer.leases.close()
+
+    run(scenario)

@@ -9,7 +9,8 @@ Both serve ``grpc.health.v1.Health`` and server reflection, so ``grpcurl`` works
 Shutdown on SIGTERM/SIGINT: STOPPING=1, health NOT_SERVING, new work refused, running requests
 get a bounded grace, then the node releases NIXL and memory, the servers stop and the socket
 file is removed. Everything runs on one asyncio loop; the only other threads are NIXL's owner
-thread (``sidecar.dataplane.transport``) and the metrics HTTP server.
+thread (``sidecar.dataplane.transport``), the metrics HTTP server, and the loop's default executor
+that maps (pre-faults) a registering worker's memory (``sidecar.core.registration``).
 """
 
 from __future__ import annotations
