@@ -11,6 +11,10 @@ callback threads complete the futures and only append to the deques ``_failures`
 How failures reach vLLM: a request call the sidecar refused (or a sidecar that is down) is
 reported to the workers in the next step's metadata (``SidecarConnectorMetadata.recv_failed`` /
 ``send_abandoned``), see ``engine_shim.vllm.worker``.
+
+Why ~520 lines: one state machine over vLLM's scheduler hooks (its helpers for kv_transfer_params
+are already in ``params``); multi-turn decisions (pull a held prefix or recompute) belong in a
+``multiturn.py`` next to it rather than here.
 """
 
 from __future__ import annotations

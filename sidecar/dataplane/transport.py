@@ -26,6 +26,9 @@ other side may reuse the memory (a pull's producer lease). So a transfer found D
 deadline is reported as failed (it may have finished after the other side gave up, e.g. this
 process was stopped mid-transfer and resumed), and each poll cancels overdue transfers before it
 drives any progress, so a resumed process does not progress them further.
+
+Why ~510 lines: every NIXL object must live on this one thread, so the owner loop, its polling
+and every command body stay together; the values that cross it are in ``contract``.
 """
 
 from __future__ import annotations
