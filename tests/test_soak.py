@@ -4,7 +4,7 @@ RSS, fds and threads of both sidecars and /dev/shm are sampled as it runs; at th
 flat and nothing may be left (no leases, registrations, receives, holds, transfers).
 
 ``KVSIDECAR_SOAK_REQUESTS`` sets the count: 300 in ``make test``, 10,000 in ``make soak``
-(bench/README.md has the figures). The workload is ``sidecar.workload.TransferPair``.
+(bench/README.md has the figures). The workload is ``sidecar.tools.workload.TransferPair``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from engine_shim.memory import KvLayout
-from sidecar.demo import BlockPool
-from sidecar.workload import TransferFailed, TransferPair
+from sidecar.tools.demo import BlockPool
+from sidecar.tools.workload import TransferFailed, TransferPair
 from tests.support.fuzzing import leftover, process_usage
 from tests.support.processes import wait_until
 
