@@ -477,7 +477,9 @@ def _status(engine: VllmEngineProcess) -> dict[str, Any]:
 def _wait_registered(engine: VllmEngineProcess, sidecar: SidecarProcess, timeout: float = 30.0) -> None:
     def registered() -> bool:
         status = _status(engine)
-        return bool(status["connected"] and status["sidecar_id"] == sidecar.sidecar_id)
+        # The worker's stream and the scheduler's channel reconnect independently (the latter
+        # after gRPC's reconnect backoff): both must be back before a prefill is offered again.
+        return bool(status["connected"] and status["sidecar_id"] == sidecar.sidecar_id and status["offers_kv"])
 
     wait_until(registered, timeout, 0.2, f"{engine.name} registered with the restarted sidecar")
 
