@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm clean
+.PHONY: setup proto proto-check test test-fast multihost lint run demo bench bench-multihost bench-vllm clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,16 @@ $(STAMP): pyproject.toml
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
+# The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multihost_full"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not multihost_full"
+
+# P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
+multihost: setup
+	$(PY) -m pytest -q -m multihost tests/multihost
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
