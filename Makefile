@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast multihost lint run demo bench bench-multihost bench-vllm clean
+.PHONY: setup proto proto-check test test-fast multihost lint run demo bench bench-multihost bench-scaling bench-vllm clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,14 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/kvsidecar bench --json bench/out/bench.json --png bench/out/bench.png
+
+# Across hosts (network namespaces; needs root): kvsidecar vs raw NIXL between the same two hosts.
+bench-multihost: setup
+	$(PY) -m bench.multihost --json bench/out/multihost.json
+
+# What one sidecar pays per known peer, N = 1..8 peers on network-namespace hosts (docs/scaling.md).
+bench-scaling: setup
+	$(PY) -m bench.scaling --json bench/out/scaling.json
 
 # End to end with real CPU vLLM: kvsidecar vs vLLM's own NIXL connectors (bench/README.md). vLLM's
 # NixlConnector imports the `nixl` meta package (without its dependency list: it names CUDA torch).
