@@ -131,6 +131,9 @@ class Settings(BaseSettings):
     # Limits against hostile or broken clients.
     max_blocks_per_request: int = Field(default=1 << 20, ge=1)
     max_pending_requests: int = Field(default=100_000, ge=1)
+    # Per-request traces kept for EngineService/PeerService.Trace (a ring of the most recent
+    # requests, each at most 64 events); 0 turns tracing off.
+    trace_requests: int = Field(default=1024, ge=0, le=1_000_000)
 
     # mTLS between sidecars: all three set enables it on the peer port and for outgoing calls.
     peer_tls_cert: Path | None = None

@@ -248,6 +248,13 @@ class ConsumerSide:
         if pending is None or not pending.is_push:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        self._node.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "notification",
+            f"the producer's WRITE into {worker.agent_name} completed",
+        )
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
             self._node.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
@@ -272,9 +279,23 @@ class ConsumerSide:
                 # The producer frees its blocks when its lease ends; reading after that would copy
                 # whatever request now owns them. Confirm (and extend) the lease first. This call
                 # also reveals a restarted producer sidecar before its stale handshake is used.
-                await self._confirm_held(pending)
+                await node.trace.timed(
+                    "consumer",
+                    pending.engine_id,
+                    pending.request_id,
+                    "confirmed",
+                    "the producer holds the blocks (lease extended)",
+                    self._confirm_held(pending),
+                )
             view = await asyncio.wait_for(
-                node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                node.trace.timed(
+                    "consumer",
+                    pending.engine_id,
+                    pending.request_id,
+                    "handshake",
+                    f"{address} {pending.remote.engine_id}",
+                    node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                ),
                 node.settings.peer_call_timeout_seconds,
             )
             local = engine.local_workers()
@@ -291,6 +312,7 @@ class ConsumerSide:
                 target_request_id=pending.remote.request_id,
                 transfer_id=pending.transfer_id,
                 timeout=timeout,
+                on_step=node.trace.hook("consumer", pending.engine_id, pending.request_id),
             )
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
@@ -322,7 +344,14 @@ class ConsumerSide:
     async def _register_push(self, pending: ConsumerRequest, engine: Engine, timeout: float) -> bool:
         node = self._node
         address = pending.remote.address
-        view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
+        view = await node.trace.timed(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "handshake",
+            f"{address} {pending.remote.engine_id}",
+            node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+        )
         # The producer will initiate; check the pairing from its side.
         check_compatible(
             [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
@@ -349,6 +378,13 @@ class ConsumerSide:
             ),
         )
         pending.registered = True
+        node.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "registered",
+            f"PushReg accepted by {address}" + (": writing" if response.matched else ": waiting for its SubmitBlocks"),
+        )
         return bool(response.matched)
 
     def _on_watchdog(self, keys: list[RequestKey]) -> None:
@@ -537,6 +573,17 @@ class ConsumerSide:
             remote=request.remote,
         )
         self.requests[pending.key] = pending
+        self._node.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "admitted",
+            f"{'ExpectPush' if pending.is_push else 'Pull'}: {sum(map(len, local))} blocks from "
+            f"{request.remote.engine_id}/{request.remote.request_id or '?'} at {request.remote.address or 'here'}",
+            transfer_id=pending.transfer_id,
+            ids=(request.remote.request_id,),
+            peer=request.remote.address,
+        )
         if pending.is_push:
             self._node.transport.expect_notifications(1)
         self._node.metrics.pending_receives.set(len(self.requests))
@@ -594,6 +641,7 @@ class ConsumerSide:
         event.transfer_id = pending.transfer_id
         event.bytes = pending.bytes_moved
         event.duration_ms = (time.monotonic() - pending.created) * 1000.0
+        self._node.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
         self._node.emit(pending.engine_id, event)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:

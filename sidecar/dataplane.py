@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, peer_pb2
@@ -30,6 +31,10 @@ from sidecar.planning import (
 from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
+
+
+def _ignore(kind: str, detail: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -156,9 +161,11 @@ class DataPlane:
         transfer_id: str,
         timeout: float,
         not_after: float | None = None,
+        on_step: Callable[[str, str], None] = _ignore,
     ) -> TransferOutcome:
         """Move ``initiator_blocks`` <-> ``target_blocks`` (same lengths) with ``op`` and attach a
-        notification for ``target_request_id`` to every transfer. Waits for all of them."""
+        notification for ``target_request_id`` to every transfer. Waits for all of them.
+        ``on_step(kind, detail)`` is told of each post and each completion (the request's trace)."""
         deadline = time.monotonic() + timeout
         is_mla = target.is_mla
         jobs = []
@@ -180,6 +187,7 @@ class DataPlane:
                         initiator_tp,
                         deadline,
                         not_after,
+                        on_step,
                     )
                 )
         for rank in unpaired_targets(initiator_tp, target.tp_size, is_mla):
@@ -224,10 +232,12 @@ class DataPlane:
         initiator_tp: int,
         deadline: float,
         not_after: float | None,
+        on_step: Callable[[str, str], None],
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, target_blocks)
         payload = self.notice(target, target_request_id, transfer_id, initiator_tp, pairing.target_rank)
-        return await self._transport.transfer(
+        on_step("posted", f"{op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)")
+        result = await self._transport.transfer(
             worker.agent_name,
             op,
             other.agent,
@@ -239,6 +249,8 @@ class DataPlane:
             deadline,
             not_after,
         )
+        on_step("nixl_completion", _describe(op, worker.agent_name, result))
+        return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:
@@ -246,6 +258,15 @@ class DataPlane:
         except Exception as exc:
             return TransferResult(False, f"notification failed: {exc}")
         return TransferResult(True)
+
+
+def _describe(op: str, agent_name: str, result: TransferResult) -> str:
+    if not result.ok:
+        return f"{op} on {agent_name} failed: {result.error}"
+    return (
+        f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
+        f"post {result.post_s * 1000:.3f} ms, transfer {result.duration_s * 1000:.3f} ms"
+    )
 
 
 def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:

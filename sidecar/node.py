@@ -39,6 +39,7 @@ from sidecar.peers import PeerDirectory
 from sidecar.planning import RegionLayout, WorkerLayout
 from sidecar.producer import ProducerRequest, ProducerSide
 from sidecar.registry import Engine, Registry, Worker, worker_id
+from sidecar.trace import TraceRecorder, collect
 from sidecar.transport import NixlTransport, TransferResult
 
 log = get_logger("kvsidecar.node")
@@ -66,6 +67,7 @@ class Node:
         self.cache = CacheIndex()
         self.peers = PeerDirectory(settings, self, self.sidecar_info, self._unload_peer_agents, self.metrics)
         self.dataplane = DataPlane(self.transport, self.sidecar_id)
+        self.trace = TraceRecorder(settings.trace_requests)
         self.producer = ProducerSide(self)
         self.consumer = ConsumerSide(self)
         self.advertise_address = settings.advertise or settings.peer_listen
@@ -456,6 +458,7 @@ class Node:
                 "upgrade the older sidecar"
             )
         await self.peers.note_caller(request.caller)
+        self.trace.learn(request.caller)
         engine = self._handshake_engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
         self.transport.warm(_HANDSHAKE_WARM_SECONDS)
         return peer_pb2.HandshakeResponse(sidecar=self.sidecar_info(), engine=engine.descriptor())
@@ -516,6 +519,20 @@ class Node:
                 )
             )
         return peer_pb2.PeerQueryCacheResponse(sidecar_id=self.sidecar_id, entries=entries)
+
+    async def trace_request(self, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
+        """EngineService.Trace and PeerService.Trace: this sidecar's part and its peers'."""
+        return await collect(
+            self.trace,
+            request,
+            self.sidecar_info(),
+            lambda address, ask: self.peers.call(address, "Trace", ask),
+            self.peers.is_self,
+            self.peers.clock_offset_ms,
+        )
+
+    async def handle_trace(self, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
+        return await self.trace_request(request)
 
     async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse:
         return await self.consumer.handle_transfer_failed(request)

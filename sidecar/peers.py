@@ -42,6 +42,7 @@ class PeerHandler(Protocol):
         self, request: peer_pb2.TransferFailedRequest
     ) -> peer_pb2.TransferFailedResponse: ...
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse: ...
+    async def handle_trace(self, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse: ...
     def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView: ...
 
 
@@ -52,6 +53,7 @@ _HANDLERS = {
     "QueryCache": "handle_query_cache",
     "TransferFailed": "handle_transfer_failed",
     "Release": "handle_release",
+    "Trace": "handle_trace",
 }
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
@@ -289,6 +291,11 @@ class PeerDirectory:
                 )
             )
         return rows
+
+    def clock_offset_ms(self, address: str) -> float:
+        """The peer's clock minus ours as estimated at its handshake (0 when never handshaken)."""
+        state = self._peers.get(self._key(address))
+        return state.clock_offset_ms if state is not None else 0.0
 
     def failures(self, address: str) -> int:
         return self._state(address).consecutive_failures

@@ -108,6 +108,14 @@ class ProducerSide:
             lease_seconds=lease,
         )
         self._add(pending)
+        node.trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "admitted",
+            f"SubmitBlocks: {_count(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, lease {lease:g}s",
+            transfer_id=pending.transfer_id,
+        )
         matched = False
         if pending.accepts_push:
             registration = self.matcher.add_submission(
@@ -216,6 +224,17 @@ class ProducerSide:
             node.check_capacity(self.matcher.pending_registrations)
         submission = self.matcher.add_registration(registration)
         if submission is None:
+            node.trace.event(
+                "push_registration",
+                request.prefill_engine_id,
+                request.request_id,
+                "registered",
+                f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
+                "waiting for SubmitBlocks",
+                transfer_id=request.transfer_id,
+                ids=(request.prefill_request_id,),
+                peer=request.caller.address,
+            )
             self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
             self._update_gauges()
             return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=False)
@@ -235,6 +254,16 @@ class ProducerSide:
                 raise InvalidArgument(f"requests[{index}]", "names no request")
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None:
+                node.trace.event(
+                    "producer",
+                    pending.engine_id,
+                    pending.request_id,
+                    "heartbeat",
+                    f"first heartbeat from consumer sidecar {request.caller_sidecar_id}",
+                    ids=(key.consumer_request_id,),
+                    peer_sidecar=request.caller_sidecar_id,
+                    once=True,
+                )
                 if not pending.held:
                     self.leases.extend(pending.key, now + extension)
                 continue
@@ -280,6 +309,14 @@ class ProducerSide:
         if pending is None or not pending.accepts_pull:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        self._node.trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "notification",
+            f"a consumer's READ from {worker.agent_name} completed",
+            peer_sidecar=notice.sender_sidecar_id,
+        )
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
             self._finish(pending, engine_pb2.FINISHED_SENDING)
         return True
@@ -290,6 +327,24 @@ class ProducerSide:
         request, blocks = registration.payload
         self._registration_deadlines.cancel(registration.key)
         pending.writing = True
+        self._node.trace.event(
+            "push_registration",
+            pending.engine_id,
+            request.request_id,
+            "matched",
+            f"with {pending.request_id}",
+            done=True,
+        )
+        self._node.trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "matched",
+            f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
+            f"{_count(blocks)} blocks",
+            ids=(request.request_id, request.transfer_id),
+            peer=request.caller.address,
+        )
         self._pushing[registration.key] = pending.key
         self._node.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
 
@@ -302,7 +357,14 @@ class ProducerSide:
         error = ""
         try:
             engine = node.registry.require_engine(pending.engine_id, "engine_id")
-            view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
+            view = await node.trace.timed(
+                "producer",
+                pending.engine_id,
+                pending.request_id,
+                "handshake",
+                f"{address} {request.decode_engine_id}",
+                node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash),
+            )
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(pending.block_ids, blocks)
@@ -324,6 +386,7 @@ class ProducerSide:
                 transfer_id=request.transfer_id or pending.transfer_id,
                 timeout=node.settings.transfer_timeout_seconds,
                 not_after=not_after,
+                on_step=node.trace.hook("producer", pending.engine_id, pending.request_id),
             )
             pending.bytes_moved = outcome.bytes
             if not outcome.ok:
@@ -435,6 +498,7 @@ class ProducerSide:
             self._node.cache_release(pending.key)
         self._node.metrics.leases.set(len(self.leases))
         self._update_gauges()
+        self._node.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
         self._node.emit(
             pending.engine_id,
             engine_pb2.Event(
@@ -492,3 +556,7 @@ class ProducerSide:
                 )
             )
         return rows
+
+
+def _count(blocks: BlockIds) -> int:
+    return sum(len(group) for group in blocks)

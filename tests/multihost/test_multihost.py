@@ -15,9 +15,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
+from kvsidecar.v1 import common_pb2, engine_pb2_grpc
 from tests.multihost.conftest import PEER_PORT, Cluster
 from tests.support.processes import EngineProcess
 from tests.test_pull import kv
@@ -64,6 +66,13 @@ def request(producer: EngineProcess, consumer: EngineProcess, mode: str, name: s
         assert reply["ok"], reply
         reply = producer.command("submit", request_id=name, blocks=[p_blocks], transfer_id=name, mode=PUSH)
     assert reply["ok"], reply
+
+
+def trace(sidecar, request_id: str) -> common_pb2.TraceResponse:
+    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+        request = common_pb2.TraceRequest(request_id=request_id)
+        response: common_pb2.TraceResponse = engine_pb2_grpc.EngineServiceStub(channel).Trace(request, timeout=15)
+        return response
 
 
 def handshakes(cluster: Cluster) -> Counter[tuple[str, str, str]]:
@@ -128,6 +137,15 @@ def test_all_to_all_across_hosts_every_byte(cluster, producers: int, consumers: 
         assert sent >= moved[producer.engine_id], (
             f"{producer.engine_id} sent {sent} B on eth0 < {moved[producer.engine_id]} B of KV"
         )
+    # Trace on either host shows both hosts' parts of a request (the peer asked over the bridge).
+    name, producer, consumer, _, _ = plan[-1]
+    for host, request_id in ((f"d{d_engines.index(consumer)}", f"{name}-d"), (f"p{p_engines.index(producer)}", name)):
+        parts = trace(net.sidecars[host], request_id).sidecars
+        assert [part.sidecar.address for part in parts] == sorted(
+            {net.sidecars[host].address, producer.peer_address, consumer.peer_address},
+            key=lambda address: address != net.sidecars[host].address,
+        ), parts
+        assert all(part.requests and all(t.done for t in part.requests) for part in parts), parts
     # Handshakes are cached per peer engine: one each, however many requests followed.
     done = handshakes(net)
     assert done and set(done.values()) == {1}, done
