@@ -36,8 +36,9 @@ multihost: setup
 	$(PY) -m pytest -q -m multihost tests/multihost
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -63,4 +64,4 @@ bench-vllm: setup
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache
