@@ -66,10 +66,11 @@ def issue(ca: Ca, directory: Path, label: str, dns: list[str], ips: list[str] | 
     return cert_path, key_path
 
 
-def make_pki(directory: Path, name: str) -> tuple[Path, Path, Path]:
-    """A CA and one certificate for 127.0.0.1, usable as server and client; returns (cert, key, ca)."""
+def make_pki(directory: Path, name: str, dns_names: list[str] | None = None) -> tuple[Path, Path, Path]:
+    """A CA and one certificate for 127.0.0.1 (and ``dns_names``), usable as server and client;
+    returns (cert, key, ca)."""
     ca = make_ca(directory, name)
-    cert, key = issue(ca, directory, name, dns=[])
+    cert, key = issue(ca, directory, name, dns=list(dns_names or []))
     return cert, key, ca.path
 
 
