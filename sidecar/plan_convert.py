@@ -1,0 +1,252 @@
+"""Token-level plans between workers whose blocks differ in size, KV layout or TP split. Pure logic:
+no I/O, no NIXL (``logical_tokens`` reads numpy arrays it is given).
+
+The model. One region (layer) of a worker holds physical blocks of ``tokens`` tokens x ``heads``
+KV heads x ``chunk`` bytes, where a chunk is one token of one head (K and V packed: vLLM's "C" in
+its LBxxC layout names). Inside a block:
+
+- head-major  (``HND``, vLLM ``LBHNC``): offset(t, h) = (h * tokens + t) * chunk
+- token-major (``NHD``, vLLM ``LBNHC``): offset(t, h) = (t * heads + h) * chunk
+
+Worker rank r of an engine with TP n holds the global heads [r * heads, (r + 1) * heads) (MLA:
+the one latent "head" is replicated, every rank holds head 0).
+
+A request's *source* list covers tokens [0, len * source block size); the *destination* list
+covers its tail [first, first + len * destination block size), because a consumer with a
+prefix-cache hit allocates blocks only for the tokens it lacks (``transfer_span``).
+
+``run_descriptors`` maps the token range of one (source worker, destination worker) pair to
+NIXL descriptors: every (layer, token, shared head) chunk gets a source and a destination
+address, and chunks that are adjacent on *both* sides merge into one descriptor. Same shapes give
+whole blocks; a block-size change gives one run per small block (token-major) or per small block
+and head (head-major); a layout change gives one chunk per descriptor, which is why the data plane
+converts layouts through a staging buffer instead (``logical_tokens`` / ``scatter_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sidecar.planning import BlockIds, PlanError, RegionLayout, WorkerLayout, physical_block_ids
+
+HEAD_MAJOR = "HND"
+TOKEN_MAJOR = "NHD"
+_KINDS = {"HND": HEAD_MAJOR, "LBHNC": HEAD_MAJOR, "NHD": TOKEN_MAJOR, "LBNHC": TOKEN_MAJOR}
+
+
+def layout_kind(kv_layout: str) -> str | None:
+    """``HND`` or ``NHD`` for the layouts this module can convert, else None (opaque bytes)."""
+    return _KINDS.get(kv_layout)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """How one physical block of one region of one worker is laid out."""
+
+    tokens: int
+    heads: int
+    first_head: int
+    chunk: int
+    kind: str
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tokens * self.heads * self.chunk
+
+    def offsets(self, tokens_in_block: np.ndarray, heads: np.ndarray) -> np.ndarray:
+        """Byte offsets inside a block, shape (len(heads), len(tokens_in_block))."""
+        local = (heads - self.first_head)[:, None]
+        within = tokens_in_block[None, :]
+        if self.kind == HEAD_MAJOR:
+            return (local * self.tokens + within) * self.chunk
+        return (within * self.heads + local) * self.chunk
+
+
+def block_shape(worker: WorkerLayout, region: RegionLayout) -> BlockShape:
+    """The shape of ``region``'s blocks; PlanError if the geometry does not add up."""
+    kind = layout_kind(worker.kv_layout)
+    if kind is None:
+        raise PlanError(f"KV layout {worker.kv_layout!r} cannot be converted (known: {', '.join(sorted(_KINDS))})")
+    ratio = max(worker.physical_per_logical, 1)
+    if worker.block_size % ratio:
+        raise PlanError(f"block size {worker.block_size} is not a multiple of {ratio} kernel blocks")
+    tokens = worker.block_size // ratio
+    heads = max(worker.num_kv_heads, 1)
+    if region.block_len % (tokens * heads):
+        raise PlanError(
+            f"region {region.name!r}: {region.block_len}-byte blocks do not hold {tokens} tokens x {heads} heads"
+        )
+    first_head = 0 if worker.is_mla else worker.tp_rank * heads
+    return BlockShape(tokens, heads, first_head, region.block_len // (tokens * heads), kind)
+
+
+def transfer_span(
+    num_tokens: int, source_blocks: int, source_size: int, dest_blocks: int, dest_size: int
+) -> tuple[int, int]:
+    """Tokens [first, end) to move: ``source_blocks`` blocks of ``source_size`` tokens hold the
+    request from token 0; ``dest_blocks`` blocks of ``dest_size`` tokens receive its tail.
+
+    ``num_tokens`` 0 means unknown: allowed only with equal block sizes (the source's capacity is
+    then exact enough, as whole blocks move); with different sizes it decides where the
+    destination's blocks start, so it is required.
+    """
+    capacity = source_blocks * source_size
+    if num_tokens <= 0:
+        if source_size != dest_size:
+            raise PlanError(
+                f"block sizes differ ({source_size} vs {dest_size} tokens): the request's token count "
+                "(num_tokens / remote_num_tokens) is required to align the blocks"
+            )
+        num_tokens = capacity
+    if num_tokens > capacity:
+        raise PlanError(f"{num_tokens} tokens do not fit {source_blocks} source blocks of {source_size} tokens")
+    needed = -(-num_tokens // dest_size)
+    if dest_blocks > needed:
+        raise PlanError(
+            f"{dest_blocks} destination blocks of {dest_size} tokens for {num_tokens} tokens (at most {needed})"
+        )
+    return (needed - dest_blocks) * dest_size, num_tokens
+
+
+@dataclass(frozen=True)
+class Side:
+    """One worker's part in a transfer: its layout and its logical block ids (one group)."""
+
+    worker: WorkerLayout
+    blocks: Sequence[int]
+    first_token: int  # the token the first listed block starts at
+
+    def physical(self) -> np.ndarray:
+        return physical_block_ids(self.blocks, max(self.worker.physical_per_logical, 1))
+
+
+def shared_heads(source: BlockShape, dest: BlockShape) -> tuple[int, int]:
+    first = max(source.first_head, dest.first_head)
+    end = min(source.first_head + source.heads, dest.first_head + dest.heads)
+    return first, max(first, end)
+
+
+def _addresses(
+    region: RegionLayout, shape: BlockShape, physical: np.ndarray, tokens: np.ndarray, heads: np.ndarray
+) -> np.ndarray:
+    """Absolute addresses of every (head, token) chunk, shape (heads, tokens), int64."""
+    index = tokens // shape.tokens
+    if index.size and int(index[-1]) >= physical.size:
+        raise PlanError(f"tokens up to {int(tokens[-1])} need more than {physical.size} blocks")
+    starts = region.base + physical[index].astype(np.int64) * region.block_stride
+    return starts[None, :] + shape.offsets(tokens % shape.tokens, heads)
+
+
+def run_descriptors(source: Side, dest: Side, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 uint64 (address, length, device) arrays for the source and the destination moving
+    tokens [first, end) of every region and every head both workers hold. Row i of each is one
+    contiguous run; ``lengths`` are equal row by row."""
+    src_rows: list[np.ndarray] = []
+    dst_rows: list[np.ndarray] = []
+    src_physical, dst_physical = source.physical(), dest.physical()
+    for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+        if src_region.group_id != 0:
+            continue
+        src_shape = block_shape(source.worker, src_region)
+        dst_shape = block_shape(dest.worker, dst_region)
+        if src_shape.chunk != dst_shape.chunk:
+            raise PlanError(
+                f"region {src_region.name!r}: {src_shape.chunk} vs {dst_shape.chunk} bytes per token and head"
+            )
+        head_first, head_end = shared_heads(src_shape, dst_shape)
+        if head_first == head_end or first >= end:
+            continue
+        heads = np.arange(head_first, head_end, dtype=np.int64)
+        tokens = np.arange(first, end, dtype=np.int64)
+        src = _addresses(src_region, src_shape, src_physical, tokens - source.first_token, heads)
+        dst = _addresses(dst_region, dst_shape, dst_physical, tokens - dest.first_token, heads)
+        order = np.argsort(src.ravel(), kind="stable")  # walk chunks in the source's memory order
+        src_flat, dst_flat = src.ravel()[order], dst.ravel()[order]
+        chunk = src_shape.chunk
+        breaks = np.ones(src_flat.size, dtype=bool)
+        breaks[1:] = (np.diff(src_flat) != chunk) | (np.diff(dst_flat) != chunk)
+        starts = np.flatnonzero(breaks)
+        lengths = np.diff(np.append(starts, src_flat.size)) * chunk
+        src_rows.append(_descs(src_flat[starts], lengths, source.worker.device_id))
+        dst_rows.append(_descs(dst_flat[starts], lengths, dest.worker.device_id))
+    if not src_rows:
+        empty = np.empty((0, 3), dtype=np.uint64)
+        return empty, empty.copy()
+    return np.concatenate(src_rows), np.concatenate(dst_rows)
+
+
+def _descs(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    out = np.empty((addresses.size, 3), dtype=np.uint64)
+    out[:, 0] = addresses
+    out[:, 1] = lengths
+    out[:, 2] = device
+    return out
+
+
+def single_group(blocks: BlockIds, what: str) -> Sequence[int]:
+    """Conversion handles one KV cache group (hybrid models keep the byte-for-byte path)."""
+    if len(blocks) != 1:
+        raise PlanError(f"block size or layout conversion needs exactly one KV cache group, {what} has {len(blocks)}")
+    return blocks[0]
+
+
+# --- logical content (staging copies, integrity digests, tests) ---------------------------------
+
+
+def _blocks_view(region_bytes: np.ndarray, shape: BlockShape, stride: int, num_blocks: int) -> np.ndarray:
+    """The region as (num_blocks, a, b, chunk) uint8 in memory order (a, b = heads, tokens or
+    tokens, heads) without copying."""
+    inner = (shape.heads, shape.tokens) if shape.kind == HEAD_MAJOR else (shape.tokens, shape.heads)
+    return np.lib.stride_tricks.as_strided(
+        region_bytes,
+        shape=(num_blocks, inner[0], inner[1], shape.chunk),
+        strides=(stride, inner[1] * shape.chunk, shape.chunk, 1),
+        writeable=region_bytes.flags.writeable,
+    )
+
+
+def _token_major(blocks: np.ndarray, shape: BlockShape) -> np.ndarray:
+    """(n, a, b, chunk) blocks -> (n, tokens, heads, chunk) view."""
+    return blocks.transpose(0, 2, 1, 3) if shape.kind == HEAD_MAJOR else blocks
+
+
+def logical_tokens(
+    region_bytes: np.ndarray, region: RegionLayout, shape: BlockShape, num_blocks: int, side: Side, first: int, end: int
+) -> np.ndarray:
+    """A copy of tokens [first, end) of one region as (tokens, heads, chunk) uint8, whatever the
+    layout and block size. ``region_bytes`` is the region's memory from its block 0."""
+    physical = side.physical()
+    lo = (first - side.first_token) // shape.tokens
+    hi = -(-(end - side.first_token) // shape.tokens)
+    view = _token_major(_blocks_view(region_bytes, shape, region.block_stride, num_blocks), shape)
+    gathered = view[physical[lo:hi]].reshape(-1, shape.heads, shape.chunk)
+    skip = first - side.first_token - lo * shape.tokens
+    return gathered[skip : skip + end - first]
+
+
+def scatter_tokens(
+    region_bytes: np.ndarray,
+    region: RegionLayout,
+    shape: BlockShape,
+    num_blocks: int,
+    side: Side,
+    first: int,
+    values: np.ndarray,
+    head_first: int,
+) -> None:
+    """Write ``values`` (tokens, heads, chunk) as tokens [first, first + len) and heads
+    [head_first, head_first + heads) into one region; the inverse of ``logical_tokens``."""
+    physical = side.physical()
+    view = _token_major(_blocks_view(region_bytes, shape, region.block_stride, num_blocks), shape)
+    local = head_first - shape.first_head
+    count = values.shape[1]
+    token = first - side.first_token
+    done = 0
+    while done < values.shape[0]:  # one (partial) block at a time: fancy indexing would copy
+        block, offset = divmod(token + done, shape.tokens)
+        take = min(shape.tokens - offset, values.shape[0] - done)
+        view[physical[block], offset : offset + take, local : local + count] = values[done : done + take]
+        done += take

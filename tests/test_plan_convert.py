@@ -1,0 +1,223 @@
+"""Token-level plans across block sizes, layouts and TP sizes (pure), checked against an oracle:
+engines' memories are numpy buffers holding logical content (layer, token, head), the plan is
+applied by copying bytes, and the destination is read back with an independent offset formula."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from sidecar.plan_convert import (
+    Side,
+    block_shape,
+    logical_tokens,
+    run_descriptors,
+    scatter_tokens,
+    shared_heads,
+    transfer_span,
+)
+from sidecar.planning import PlanError, RegionLayout, WorkerLayout, pairings
+
+CHUNK = 8  # bytes per (token, head): four uint16 (layer, token, head, marker)
+LAYERS = 2
+TOTAL_HEADS = 4
+BLOCKS = 12  # physical blocks per region
+POISON = 0xEE
+
+
+class Engine:
+    """``tp`` workers, each with LAYERS regions at known offsets of one flat buffer."""
+
+    def __init__(self, memory: np.ndarray, offset: int, tp: int, block_size: int, layout: str, ppl: int = 1) -> None:
+        self.tp, self.block_size, self.layout, self.ppl = tp, block_size, layout, ppl
+        self.heads = TOTAL_HEADS // tp
+        self.tokens = block_size // ppl
+        self.block_len = self.tokens * self.heads * CHUNK
+        self.stride = self.block_len + 16  # a gap between blocks: runs must not cross it
+        self.workers = []
+        for rank in range(tp):
+            regions = []
+            for layer in range(LAYERS):
+                regions.append(RegionLayout(f"layer{layer}", offset, self.block_len, self.stride, 0))
+                offset += self.stride * BLOCKS * ppl
+            self.workers.append(
+                WorkerLayout(
+                    tp_rank=rank, pp_rank=0, regions=tuple(regions), num_blocks=BLOCKS * ppl, physical_per_logical=ppl,
+                    block_size=block_size, kv_layout=layout, num_kv_heads=self.heads,
+                    total_num_kv_heads=TOTAL_HEADS, is_mla=False,
+                )
+            )  # fmt: skip
+        self.end = offset
+        self.memory = memory
+
+    def address(self, rank: int, layer: int, blocks: list[int], first_token: int, token: int, head: int) -> int:
+        """Independent of the module under test: where (token, global head) lives."""
+        logical_index, within_logical = divmod(token - first_token, self.block_size)
+        sub, within = divmod(within_logical, self.tokens)
+        physical = blocks[logical_index] * self.ppl + sub
+        local = head - rank * self.heads
+        if self.layout in ("HND", "LBHNC"):
+            inner = (local * self.tokens + within) * CHUNK
+        else:
+            inner = (within * self.heads + local) * CHUNK
+        return self.workers[rank].regions[layer].base + physical * self.stride + inner
+
+
+def content(layer: int, token: int, head: int) -> np.ndarray:
+    return np.array([layer + 1, token + 1, head + 1, 0xC0DE], dtype=np.uint16).view(np.uint8)
+
+
+def fill(engine: Engine, blocks: list[int], tokens: int) -> None:
+    for rank, layer, token in itertools.product(range(engine.tp), range(LAYERS), range(tokens)):
+        for head in range(rank * engine.heads, (rank + 1) * engine.heads):
+            at = engine.address(rank, layer, blocks, 0, token, head)
+            engine.memory[at : at + CHUNK] = content(layer, token, head)
+
+
+def plan(
+    src: Engine, src_blocks: list[int], dst: Engine, dst_blocks: list[int], first: int, end: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for rank in range(src.tp):
+        for pairing in pairings(src.tp, dst.tp, rank):
+            source = Side(src.workers[rank], src_blocks, 0)
+            dest = Side(dst.workers[pairing.target_rank], dst_blocks, first)
+            out.append(run_descriptors(source, dest, first, end))
+    return out
+
+
+def apply(memory: np.ndarray, descriptors: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    count = 0
+    for src, dst in descriptors:
+        assert src.shape == dst.shape
+        assert (src[:, 1] == dst[:, 1]).all()
+        for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist(), strict=True):
+            memory[d : d + n] = memory[s : s + n]
+        count += len(src)
+    return count
+
+
+def check(dst: Engine, dst_blocks: list[int], first: int, end: int) -> None:
+    """Every destination token of [first, end) holds its logical content; every other byte of
+    the destination (the last block's tail, unlisted blocks, the gaps) is untouched."""
+    touched = np.zeros(dst.memory.size, dtype=bool)
+    for rank, layer, token in itertools.product(range(dst.tp), range(LAYERS), range(first, end)):
+        for head in range(rank * dst.heads, (rank + 1) * dst.heads):
+            at = dst.address(rank, layer, dst_blocks, first, token, head)
+            got = dst.memory[at : at + CHUNK]
+            assert (got == content(layer, token, head)).all(), (rank, layer, token, head, got.view(np.uint16))
+            touched[at : at + CHUNK] = True
+    region = dst.memory[dst.workers[0].regions[0].base : dst.end]
+    assert (region[~touched[dst.workers[0].regions[0].base : dst.end]] == POISON).all()
+
+
+RATIOS = [(8, 32), (8, 16), (16, 16), (16, 8), (32, 8)]  # source / destination block size: 1/4 .. 4
+LAYOUT_PAIRS = [("LBHNC", "LBHNC"), ("NHD", "NHD"), ("NHD", "HND"), ("LBHNC", "LBNHC")]
+TPS = [(1, 1), (1, 2), (2, 1), (2, 4)]
+
+
+def _case(
+    src_size: int,
+    dst_size: int,
+    src_layout: str,
+    dst_layout: str,
+    src_tp: int,
+    dst_tp: int,
+    tokens: int,
+    hit_blocks: int,
+    ppl: int = 1,
+):
+    memory = np.full(1 << 20, POISON, dtype=np.uint8)
+    src = Engine(memory, 0, src_tp, src_size, src_layout, ppl)
+    dst = Engine(memory, src.end, dst_tp, dst_size, dst_layout)
+    src_count = -(-tokens // src_size)
+    dst_count = -(-tokens // dst_size) - hit_blocks
+    src_blocks = [7, 2, 9, 0, 5, 11, 3, 1, 10][:src_count]
+    dst_blocks = [4, 10, 1, 8, 6, 0, 3, 2, 9, 5, 7, 11][:dst_count]
+    assert len(src_blocks) == src_count and len(dst_blocks) == dst_count
+    return memory, src, dst, src_blocks, dst_blocks
+
+
+@pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("tps", TPS, ids=lambda s: f"tp{s[0]}to{s[1]}")
+@pytest.mark.parametrize("tokens,hit", [(64, 0), (45, 0), (45, 1)], ids=["full", "partial-last", "prefix-hit"])
+def test_plan_moves_every_token_and_head_and_nothing_else(sizes, layouts, tps, tokens, hit) -> None:
+    memory, src, dst, src_blocks, dst_blocks = _case(*sizes, *layouts, *tps, tokens, hit)
+    fill(src, src_blocks, tokens)
+    first, end = transfer_span(tokens, len(src_blocks), src.block_size, len(dst_blocks), dst.block_size)
+    assert first == hit * dst.block_size and end == tokens
+    apply(memory, plan(src, src_blocks, dst, dst_blocks, first, end))
+    check(dst, dst_blocks, first, end)
+
+
+@pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("tps", TPS, ids=lambda s: f"tp{s[0]}to{s[1]}")
+def test_staging_copy_through_logical_tokens_matches_the_oracle(sizes, layouts, tps) -> None:
+    memory, src, dst, src_blocks, dst_blocks = _case(*sizes, *layouts, *tps, 45, 1)
+    fill(src, src_blocks, 45)
+    first, end = transfer_span(45, len(src_blocks), src.block_size, len(dst_blocks), dst.block_size)
+    for rank in range(src.tp):
+        for pairing in pairings(src.tp, dst.tp, rank):
+            source = Side(src.workers[rank], src_blocks, 0)
+            dest = Side(dst.workers[pairing.target_rank], dst_blocks, first)
+            for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+                src_shape = block_shape(source.worker, src_region)
+                dst_shape = block_shape(dest.worker, dst_region)
+                head_first, head_end = shared_heads(src_shape, dst_shape)
+                values = logical_tokens(memory[src_region.base :], src_region, src_shape, BLOCKS, source, first, end)
+                part = values[:, head_first - src_shape.first_head : head_end - src_shape.first_head]
+                scatter_tokens(memory[dst_region.base :], dst_region, dst_shape, BLOCKS, dest, first, part, head_first)
+    check(dst, dst_blocks, first, end)
+
+
+def test_kernel_blocks_per_logical_block_are_expanded() -> None:
+    memory, src, dst, src_blocks, dst_blocks = _case(32, 8, "HND", "NHD", 1, 2, 45, 1, ppl=2)
+    fill(src, src_blocks, 45)
+    first, end = transfer_span(45, len(src_blocks), 32, len(dst_blocks), 8)
+    apply(memory, plan(src, src_blocks, dst, dst_blocks, first, end))
+    check(dst, dst_blocks, first, end)
+
+
+def _count(src_size, dst_size, src_layout, dst_layout, tokens=64) -> int:
+    _, src, dst, src_blocks, dst_blocks = _case(src_size, dst_size, src_layout, dst_layout, 1, 1, tokens, 0)
+    first, end = transfer_span(tokens, len(src_blocks), src_size, len(dst_blocks), dst_size)
+    return sum(len(s) for s, _ in plan(src, src_blocks, dst, dst_blocks, first, end))
+
+
+def test_descriptor_runs_are_as_long_as_both_layouts_allow() -> None:
+    # Same shape: one descriptor per block and layer (the blocks are not adjacent).
+    assert _count(16, 16, "HND", "HND") == LAYERS * 4
+    # Token-major, size change: one run per small block.
+    assert _count(32, 8, "NHD", "NHD") == LAYERS * 8
+    assert _count(8, 32, "NHD", "NHD") == LAYERS * 8
+    # Head-major, size change: one run per small block and head.
+    assert _count(32, 8, "HND", "HND") == LAYERS * 8 * TOTAL_HEADS
+    # Layout change: one chunk per descriptor.
+    assert _count(16, 16, "HND", "NHD") == LAYERS * 64 * TOTAL_HEADS
+
+
+def test_transfer_span_aligns_the_destination_tail() -> None:
+    assert transfer_span(100, 2, 64, 7, 16) == (0, 100)
+    assert transfer_span(100, 2, 64, 5, 16) == (32, 100)
+    assert transfer_span(100, 7, 16, 1, 64) == (64, 100)
+    assert transfer_span(0, 4, 16, 2, 16) == (32, 64)  # equal sizes: the source capacity will do
+    with pytest.raises(PlanError, match="token count"):
+        transfer_span(0, 2, 64, 7, 16)
+    with pytest.raises(PlanError, match="at most 7"):
+        transfer_span(100, 2, 64, 8, 16)
+    with pytest.raises(PlanError, match="do not fit"):
+        transfer_span(200, 2, 64, 4, 64)
+
+
+def test_unknown_layouts_and_uneven_blocks_are_refused() -> None:
+    memory = np.zeros(1 << 16, dtype=np.uint8)
+    engine = Engine(memory, 0, 1, 16, "XYZ")
+    with pytest.raises(PlanError, match="'XYZ' cannot be converted"):
+        block_shape(engine.workers[0], engine.workers[0].regions[0])
+    odd = WorkerLayout(0, 0, (RegionLayout("l", 0, 100, 100, 0),), 4, 1, 16, "HND", 4, 4, False)
+    with pytest.raises(PlanError, match="do not hold 16 tokens x 4 heads"):
+        block_shape(odd, odd.regions[0])
