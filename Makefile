@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm clean
+.PHONY: setup proto proto-check test test-fast hetero lint run demo bench bench-vllm clean
 
 setup: $(STAMP)
 
@@ -25,10 +25,14 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not hetero"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not hetero"
+
+# The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
+hetero: setup
+	$(PY) -m pytest -q -m hetero tests/test_hetero.py
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples

@@ -923,11 +923,13 @@ class _WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=str(config.kv_cache_layout or "LBHNC"),
+                kv_layout=_kv_layout(self.vllm_config, config.kv_cache_layout),
                 num_blocks=num_blocks,
                 num_kv_heads=model.get_num_kv_heads(parallel),
                 total_num_kv_heads=model.get_total_num_kv_heads(),
                 is_mla=bool(model.use_mla),
+                head_size=int(model.get_head_size()),
+                dtype=_cache_dtype(self.vllm_config),
             ),
             exports=exports,
             regions=regions,
@@ -1239,6 +1241,23 @@ def _attention_backends(vllm_config: VllmConfig) -> str:
         return ",".join(sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)}))
     except Exception:
         return "unknown"
+
+
+def _kv_layout(vllm_config: VllmConfig, configured: str | None) -> str:
+    """The layout name the sidecar plans with. The CPU attention backend stores K transposed
+    inside each (block, head) ([D, N], V as [N, D]): heads are contiguous (head slices for
+    heterogeneous TP work) but it is not LBHNC token by token, so it gets its own name, which the
+    sidecar treats as head-major but never converts to another block size or layout."""
+    if _is_cpu(vllm_config):
+        return "CPU_LBHNC"
+    return str(configured or "LBHNC")
+
+
+def _cache_dtype(vllm_config: VllmConfig) -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def compat_factors(vllm_config: VllmConfig) -> dict[str, str]:

@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
+from sidecar.dataplane import EngineView, LocalWorker
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
+from sidecar.integrity import DigestSpan, check_span, digests, first_mismatch
 from sidecar.logs import get_logger
 from sidecar.notices import NoticeTally
 from sidecar.peers import normalize_address
-from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
+from sidecar.plan_convert import check_exchange, single_group
+from sidecar.planning import BlockIds, PlanError, check_block_ids
 from sidecar.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
 
@@ -57,6 +60,7 @@ class ConsumerRequest:
     transferring: bool = False  # pull: READs in flight
     cancelling: bool = False  # push watchdog fired; waiting for in-flight WRITEs to end
     bytes_moved: int = 0
+    digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
 
     @property
     def key(self) -> RequestKey:
@@ -176,11 +180,8 @@ class ConsumerSide:
             raise InvalidArgument(
                 "remote.block_ids", f"lists {len(remote_blocks)} groups, local_block_ids {len(local)}"
             )
-        for group, (mine, theirs) in enumerate(zip(local, remote_blocks, strict=True)):
-            if len(mine) > len(theirs):
-                raise InvalidArgument(
-                    "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
-                )
+        # Whether the local blocks fit the remote ones depends on both block sizes; the plan checks
+        # it after the handshake (a mismatch is LOAD_FAILED with the reason).
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
         )
@@ -248,12 +249,55 @@ class ConsumerSide:
         if pending is None or not pending.is_push:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        if notice.HasField("digests") and pending.digests is None:
+            pending.digests = notice.digests
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
             self._node.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
-            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            if self._node.settings.integrity == "digest":
+                self._node.spawn(self._finish_checked(pending, pending.digests), engines=[pending.engine_id])
+            else:
+                self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
         return True
+
+    # --- integrity ----------------------------------------------------------------------------
+
+    async def _finish_checked(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> None:
+        """FINISHED_RECEIVING if the local blocks match the producer's digests, else LOAD_FAILED
+        naming the first block that differs. Runs in a task of the local engine."""
+        problem = await self._check_digests(pending, expected)
+        if self.requests.get(pending.key) is not pending:
+            return  # failed meanwhile (watchdog, release)
+        if problem:
+            self._fail(pending, problem, reason_label="integrity")
+        else:
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+
+    async def _check_digests(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> str | None:
+        if expected is None or not expected.values:
+            return "integrity check failed: the producer sent no digests (is its sidecar too old?)"
+        engine = self._node.registry.require_engine(pending.engine_id, "engine_id")
+        span = DigestSpan.from_proto(expected)
+        layouts = [worker.layout for worker in engine.ordered_workers()]
+        try:
+            blocks = single_group(pending.local_blocks, "the request")
+            problem = check_span(span, span.first + len(blocks) * layouts[0].block_size)
+            if problem:
+                return f"integrity check failed: the producer's digests cover {problem}"
+            mine = await asyncio.to_thread(digests, layouts, blocks, span.first, span)
+        except (PlanError, IndexError, ValueError) as exc:
+            return f"integrity check could not run: {exc}"
+        bad = first_mismatch(mine, list(expected.values))
+        if bad is None:
+            return None
+        token = span.first + bad * span.granule
+        block = blocks[(token - span.first) // layouts[0].block_size]
+        last = min(token + span.granule, span.end) - 1
+        return (
+            f"integrity check failed: block {block} (tokens {token}..{last}) does not match the producer's "
+            f"digest ({len(mine)} digests of {span.granule} tokens compared)"
+        )
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -279,7 +323,10 @@ class ConsumerSide:
             )
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
-            source = trim_to_tail(remote_blocks, pending.local_blocks)
+            expected = None
+            if node.settings.integrity == "digest":
+                # Before the READ: its notification lets the producer free the blocks.
+                expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
             pending.transferring = True
             outcome = await node.dataplane.run(
                 "READ",
@@ -287,10 +334,11 @@ class ConsumerSide:
                 engine.tp_size,
                 view,
                 pending.local_blocks,
-                source,
+                remote_blocks,
                 target_request_id=pending.remote.request_id,
                 transfer_id=pending.transfer_id,
                 timeout=timeout,
+                num_tokens=pending.remote.num_tokens,
             )
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
@@ -310,12 +358,41 @@ class ConsumerSide:
             node.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
             )
-            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            if expected is not None:
+                await self._finish_checked(pending, expected)
+            else:
+                self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         if outcome.peer_gone:
             await node.peers.forget(address, "transfer from it failed")
         self._fail(pending, f"READ failed: {outcome.error}", reason_label="transfer")
         await self._tell_producer(pending, consumed=False, reason=outcome.error)
+
+    async def _producer_digests(
+        self,
+        pending: ConsumerRequest,
+        local: list[LocalWorker],
+        tp_size: int,
+        view: EngineView,
+        remote_blocks: BlockIds,
+    ) -> peer_pb2.KvDigests:
+        node = self._node
+        span = node.dataplane.digest_span(
+            "READ", local, tp_size, view, pending.local_blocks, remote_blocks, pending.remote.num_tokens
+        )
+        response = await node.peers.call(
+            pending.remote.address,
+            "GetDigests",
+            peer_pb2.GetDigestsRequest(
+                caller_sidecar_id=node.sidecar_id,
+                engine_id=pending.remote.engine_id,
+                request_id=pending.remote.request_id,
+                transfer_id=pending.transfer_id,
+                span=span.to_proto(),
+            ),
+        )
+        digests_message: peer_pb2.KvDigests = response.digests
+        return digests_message
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -324,7 +401,7 @@ class ConsumerSide:
         address = pending.remote.address
         view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
         # The producer will initiate; check the pairing from its side.
-        check_compatible(
+        check_exchange(
             [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
         )
         if pending.remote.tp_size and pending.remote.tp_size != view.tp_size:
@@ -346,6 +423,7 @@ class ConsumerSide:
                 compatibility_hash=engine.compatibility_hash,
                 timeout_seconds=timeout,
                 decode_generation=engine.generation,
+                want_digests=node.settings.integrity == "digest",
             ),
         )
         pending.registered = True

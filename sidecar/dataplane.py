@@ -4,15 +4,44 @@ same node), through the NIXL transport.
 An ``EngineView`` describes the other engine uniformly, whether it came from a peer's handshake
 or from this sidecar's own registry: its workers' layouts (addresses in the address space of the
 sidecar that serves it) and their NIXL agents. Called on the event loop thread.
+
+Two paths:
+- *byte for byte* (same tokens per block and layout; head slices for different TP sizes): whole
+  blocks through views NIXL prepared once (``planning``);
+- *converted* (block size, layout, or TP with a token-major layout differ): per (initiator,
+  target) worker pair, a token-level plan (``plan_convert``). Where its descriptor runs are long
+  enough, NIXL moves them directly; where they are short (a layout change makes one descriptor per
+  token and head) the initiator moves whole blocks between the peer and a registered staging
+  buffer in the peer's layout and permutes locally with numpy, in a worker thread: READ into
+  staging then scatter into the local blocks (pull), or gather into staging then WRITE (push). No
+  conversion runs in an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from kvsidecar.v1 import common_pb2, peer_pb2
+from sidecar.integrity import DigestSpan
+from sidecar.integrity import granule as digest_granule
+from sidecar.memory import region_bytes
+from sidecar.plan_convert import (
+    BlockShape,
+    Side,
+    block_shape,
+    check_exchange,
+    logical_tokens,
+    needs_conversion,
+    run_descriptors,
+    scatter_tokens,
+    shared_heads,
+    single_group,
+    transfer_span,
+)
 from sidecar.planning import (
     BlockIds,
     Pairing,
@@ -20,14 +49,14 @@ from sidecar.planning import (
     RegionLayout,
     Slice,
     WorkerLayout,
-    check_compatible,
     descriptor_indices,
     expected_notifications,
     pairings,
+    trim_to_tail,
     unpaired_targets,
     view_descriptors,
 )
-from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
+from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent, Staging, TransferResult
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
@@ -83,6 +112,8 @@ def layout_from_descriptor(worker: peer_pb2.WorkerDescriptor) -> WorkerLayout:
         num_kv_heads=geometry.num_kv_heads,
         total_num_kv_heads=geometry.total_num_kv_heads,
         is_mla=geometry.is_mla,
+        head_size=geometry.head_size,
+        dtype=geometry.dtype,
         device_id=worker.regions[0].device_id if worker.regions else 0,
     )
 
@@ -131,18 +162,41 @@ class LocalWorker:
     mem_type: str
 
 
+# Converted transfers whose descriptor runs average fewer bytes than this go through a staging
+# buffer (bench/README.md: per-descriptor cost makes short runs slower than a local permutation).
+STAGING_BELOW_BYTES = 16384
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens [first, end) of a converted transfer, and where each side's block list starts."""
+
+    first: int
+    end: int
+    initiator_first: int
+    target_first: int
+
+
 class DataPlane:
     """Plans and posts one request's transfers between a local engine and an ``EngineView``."""
 
-    def __init__(self, transport: NixlTransport, sidecar_id: str) -> None:
+    def __init__(
+        self, transport: NixlTransport, sidecar_id: str, staging_below_bytes: int = STAGING_BELOW_BYTES
+    ) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
+        self.staging_below_bytes = staging_below_bytes
+
+    @staticmethod
+    def converts(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> bool:
+        if not initiator or not target.workers:
+            return False
+        return needs_conversion(initiator[0].layout, initiator_tp, target.workers[0].layout, target.tp_size)
 
     @staticmethod
     def check(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> None:
-        check_compatible(
-            [w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size
-        )
+        """Raise PlanError (naming both sides' values) unless KV can move between the engines."""
+        check_exchange([w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size)
 
     async def run(
         self,
@@ -156,37 +210,48 @@ class DataPlane:
         transfer_id: str,
         timeout: float,
         not_after: float | None = None,
+        num_tokens: int = 0,
+        digests: peer_pb2.KvDigests | None = None,
     ) -> TransferOutcome:
-        """Move ``initiator_blocks`` <-> ``target_blocks`` (same lengths) with ``op`` and attach a
-        notification for ``target_request_id`` to every transfer. Waits for all of them."""
+        """Move a request's KV with ``op`` and attach a notification for ``target_request_id`` to
+        every transfer; waits for all of them. The source's blocks (the target's in a READ, the
+        initiator's in a WRITE) hold the request from token 0; the destination's may be fewer (a
+        prefix-cache hit): then only the source's tail moves. ``num_tokens`` (the request's token
+        count, 0 if unknown) aligns the two when their block sizes differ. Raises PlanError."""
         deadline = time.monotonic() + timeout
         is_mla = target.is_mla
         jobs = []
+        converted = self.converts(initiator, initiator_tp, target)
+        if converted:
+            span = self._span(op, initiator, target, initiator_blocks, target_blocks, num_tokens)
+        elif op == "READ":
+            target_blocks = trim_to_tail(target_blocks, initiator_blocks)
+        else:
+            initiator_blocks = trim_to_tail(initiator_blocks, target_blocks)
         for worker in initiator:
-            local_ids = descriptor_indices(worker.layout, initiator_blocks)
+            local_ids = None if converted else descriptor_indices(worker.layout, initiator_blocks)
             for pairing in pairings(initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
-                jobs.append(
-                    self._post(
-                        op,
-                        worker,
-                        other,
-                        pairing,
-                        local_ids,
-                        target_blocks,
-                        target,
-                        target_request_id,
-                        transfer_id,
-                        initiator_tp,
-                        deadline,
-                        not_after,
+                payload = self.notice(
+                    target, target_request_id, transfer_id, initiator_tp, pairing.target_rank, digests
+                )
+                if local_ids is None:
+                    local = Side(
+                        worker.layout, single_group(initiator_blocks, "the local engine"), span.initiator_first
                     )
+                    remote = Side(other.layout, single_group(target_blocks, "the peer"), span.target_first)
+                    jobs.append(
+                        self._post_converted(op, worker, other, local, remote, span, payload, deadline, not_after)
+                    )
+                    continue
+                jobs.append(
+                    self._post(op, worker, other, pairing, local_ids, target_blocks, payload, deadline, not_after)
                 )
         for rank in unpaired_targets(initiator_tp, target.tp_size, is_mla):
             for worker in initiator:
                 if worker.layout.tp_rank == 0:
                     other = target.worker(rank, worker.layout.pp_rank)
-                    payload = self.notice(target, target_request_id, transfer_id, initiator_tp, rank)
+                    payload = self.notice(target, target_request_id, transfer_id, initiator_tp, rank, digests)
                     jobs.append(self._notify_only(worker, other, payload))
         results = list(await asyncio.gather(*jobs))
         failed = [result for result in results if not result.ok]
@@ -200,7 +265,13 @@ class DataPlane:
         )
 
     def notice(
-        self, target: EngineView, request_id: str, transfer_id: str, initiator_tp: int, target_rank: int
+        self,
+        target: EngineView,
+        request_id: str,
+        transfer_id: str,
+        initiator_tp: int,
+        target_rank: int,
+        digests: peer_pb2.KvDigests | None = None,
     ) -> bytes:
         return peer_pb2.TransferNotice(
             engine_id=target.engine_id,
@@ -208,7 +279,120 @@ class DataPlane:
             expected=expected_notifications(initiator_tp, target.tp_size, target_rank, target.is_mla),
             sender_sidecar_id=self._sidecar_id,
             transfer_id=transfer_id,
+            digests=digests,
         ).SerializeToString()
+
+    def digest_span(
+        self,
+        op: str,
+        initiator: list[LocalWorker],
+        initiator_tp: int,
+        target: EngineView,
+        initiator_blocks: BlockIds,
+        target_blocks: BlockIds,
+        num_tokens: int,
+    ) -> DigestSpan:
+        """The tokens a transfer moves, for integrity digests (same arguments as ``run``)."""
+        mine, theirs = initiator[0].layout, target.workers[0].layout
+        if self.converts(initiator, initiator_tp, target):
+            span = self._span(op, initiator, target, initiator_blocks, target_blocks, num_tokens)
+            return DigestSpan(span.first, span.end, digest_granule(mine, theirs))
+        local = single_group(initiator_blocks, "the local engine")
+        remote = single_group(target_blocks, "the peer")
+        source, dest = (remote, local) if op == "READ" else (local, remote)
+        capacity = len(source) * mine.block_size
+        first = (len(source) - len(dest)) * mine.block_size
+        end = num_tokens if first < num_tokens <= capacity else capacity
+        return DigestSpan(first, end, digest_granule(mine, theirs))
+
+    @staticmethod
+    def _span(
+        op: str,
+        initiator: list[LocalWorker],
+        target: EngineView,
+        initiator_blocks: BlockIds,
+        target_blocks: BlockIds,
+        num_tokens: int,
+    ) -> Span:
+        mine, theirs = initiator[0].layout, target.workers[0].layout
+        local = single_group(initiator_blocks, "the local engine")
+        remote = single_group(target_blocks, "the peer")
+        if op == "READ":
+            first, end = transfer_span(num_tokens, len(remote), theirs.block_size, len(local), mine.block_size)
+            return Span(first, end, first, 0)
+        first, end = transfer_span(num_tokens, len(local), mine.block_size, len(remote), theirs.block_size)
+        return Span(first, end, 0, first)
+
+    async def _post_converted(
+        self,
+        op: str,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+        not_after: float | None,
+    ) -> TransferResult:
+        source, dest = (remote, local) if op == "READ" else (local, remote)
+        src, dst = run_descriptors(source, dest, span.first, span.end)
+        if not len(src):
+            return await self._notify_only(worker, other, payload)
+        if worker.mem_type == "DRAM" and int(src[:, 1].mean()) < self.staging_below_bytes:
+            return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
+        mine, theirs = (dst, src) if op == "READ" else (src, dst)
+        return await self._transport.transfer_runs(
+            worker.agent_name,
+            op,
+            other.agent,
+            mine,
+            worker.mem_type,
+            theirs,
+            other.mem_type,
+            payload,
+            deadline,
+            not_after,
+        )
+
+    async def _staged(
+        self,
+        op: str,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+        not_after: float | None,
+    ) -> TransferResult:
+        """Move whole blocks between the peer and a staging buffer in the peer's layout and block
+        size (restricted to the heads both workers hold); permute locally."""
+        region = remote.worker.regions[0]
+        shape = block_shape(remote.worker, region)
+        head_first, head_end = shared_heads(block_shape(local.worker, local.worker.regions[0]), shape)
+        heads = head_end - head_first
+        first_block = (span.first - remote.first_token) // shape.tokens
+        count = -(-(span.end - remote.first_token) // shape.tokens) - first_block
+        staged_block = shape.tokens * heads * shape.chunk
+        regions = remote.worker.regions
+        staging = await self._transport.staging(worker.agent_name, staged_block * count * len(regions))
+        try:
+            mirror = _staging_side(staging, remote, shape, heads, head_first, first_block, count)
+            if op == "WRITE":
+                await asyncio.to_thread(_permute, local, mirror, span, head_first, heads)
+            source, dest = (remote, mirror) if op == "READ" else (mirror, remote)
+            src, dst = run_descriptors(source, dest, span.first, span.end)
+            mine, theirs = (dst, src) if op == "READ" else (src, dst)
+            result = await self._transport.transfer_runs(
+                worker.agent_name, op, other.agent, mine, "DRAM", theirs, other.mem_type, payload, deadline, not_after
+            )
+            if result.ok and op == "READ":
+                await asyncio.to_thread(_permute, mirror, local, span, head_first, heads)
+            return result
+        finally:
+            self._transport.unstage(staging)
 
     async def _post(
         self,
@@ -218,15 +402,11 @@ class DataPlane:
         pairing: Pairing,
         local_ids: object,
         target_blocks: BlockIds,
-        target: EngineView,
-        target_request_id: str,
-        transfer_id: str,
-        initiator_tp: int,
+        payload: bytes,
         deadline: float,
         not_after: float | None,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, target_blocks)
-        payload = self.notice(target, target_request_id, transfer_id, initiator_tp, pairing.target_rank)
         return await self._transport.transfer(
             worker.agent_name,
             op,
@@ -252,3 +432,53 @@ def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:
     return DlistSpec(
         key=("view", view.index, view.count), build=lambda: view_descriptors(layout, view), mem_type=mem_type
     )
+
+
+def _staging_side(
+    staging: Staging, remote: Side, shape: BlockShape, heads: int, head_first: int, first_block: int, count: int
+) -> Side:
+    """A worker laid out like ``remote`` (same layout and tokens per block) holding only the
+    shared heads, whose ``count`` blocks, region after region, are the staging buffer and stand
+    for the remote's physical blocks from ``first_block`` on."""
+    block_len = shape.tokens * heads * shape.chunk
+    regions = tuple(
+        replace(region, base=staging.address + index * count * block_len, block_len=block_len, block_stride=block_len)
+        for index, region in enumerate(remote.worker.regions)
+    )
+    mirror = replace(
+        remote.worker,
+        regions=regions,
+        num_blocks=count,
+        physical_per_logical=1,
+        block_size=shape.tokens,
+        num_kv_heads=heads,
+        tp_rank=head_first // heads,  # block_shape's first head is tp_rank * heads
+        device_id=0,
+    )
+    return Side(mirror, range(count), remote.first_token + first_block * shape.tokens)
+
+
+def _permute(source: Side, dest: Side, span: Span, head_first: int, heads: int) -> None:
+    """Copy tokens [first, end) of heads [head_first, +heads) from ``source`` to ``dest``, both
+    in this sidecar's memory, region by region (runs in a worker thread; numpy drops the GIL)."""
+    for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+        src_shape = block_shape(source.worker, src_region)
+        dst_shape = block_shape(dest.worker, dst_region)
+        values = logical_tokens(
+            _memory(source.worker, src_region),
+            src_region,
+            src_shape,
+            source.worker.num_blocks,
+            source,
+            span.first,
+            span.end,
+        )
+        local = head_first - src_shape.first_head
+        scatter_tokens(
+            _memory(dest.worker, dst_region), dst_region, dst_shape, dest.worker.num_blocks, dest, span.first,
+            values[:, local : local + heads], head_first,
+        )  # fmt: skip
+
+
+def _memory(worker: WorkerLayout, region: RegionLayout) -> np.ndarray:
+    return region_bytes(region.base, region.block_len, region.block_stride, worker.num_blocks)

@@ -65,7 +65,7 @@ class Node:
         self.registry = Registry()
         self.cache = CacheIndex()
         self.peers = PeerDirectory(settings, self, self.sidecar_info, self._unload_peer_agents, self.metrics)
-        self.dataplane = DataPlane(self.transport, self.sidecar_id)
+        self.dataplane = DataPlane(self.transport, self.sidecar_id, settings.staging_below_bytes)
         self.producer = ProducerSide(self)
         self.consumer = ConsumerSide(self)
         self.advertise_address = settings.advertise or settings.peer_listen
@@ -212,6 +212,8 @@ class Node:
                 num_kv_heads=geometry.num_kv_heads,
                 total_num_kv_heads=geometry.total_num_kv_heads,
                 is_mla=geometry.is_mla,
+                head_size=geometry.head_size,
+                dtype=geometry.dtype,
                 device_id=memories[0].device_id,
             )
             mem_type = memories[0].kind
@@ -522,6 +524,9 @@ class Node:
 
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
         return await self.producer.handle_release(request)
+
+    async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
+        return await self.producer.handle_get_digests(request)
 
     # --- transport callbacks --------------------------------------------------------------------
 

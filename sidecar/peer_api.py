@@ -41,3 +41,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
         return await self._node.handle_release(request)
+
+    async def GetDigests(
+        self, request: peer_pb2.GetDigestsRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.GetDigestsResponse:
+        return await self._node.handle_get_digests(request)

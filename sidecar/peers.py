@@ -52,6 +52,7 @@ _HANDLERS = {
     "QueryCache": "handle_query_cache",
     "TransferFailed": "handle_transfer_failed",
     "Release": "handle_release",
+    "GetDigests": "handle_get_digests",
 }
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sidecar.planning import BlockIds, PlanError, RegionLayout, WorkerLayout, physical_block_ids
+from sidecar.planning import BlockIds, PlanError, RegionLayout, WorkerLayout, check_compatible, physical_block_ids
 
 HEAD_MAJOR = "HND"
 TOKEN_MAJOR = "NHD"
@@ -191,6 +191,78 @@ def single_group(blocks: BlockIds, what: str) -> Sequence[int]:
     if len(blocks) != 1:
         raise PlanError(f"block size or layout conversion needs exactly one KV cache group, {what} has {len(blocks)}")
     return blocks[0]
+
+
+def needs_conversion(initiator: WorkerLayout, initiator_tp: int, target: WorkerLayout, target_tp: int) -> bool:
+    """True unless whole blocks (or head slices of them) can move byte for byte: equal tokens per
+    kernel block and layout kind, and head-major blocks if the TP sizes differ."""
+    if initiator.is_mla or target.is_mla:
+        return False  # MLA keeps the byte-for-byte path (check_compatible explains refusals)
+    kinds = layout_kind(initiator.kv_layout), layout_kind(target.kv_layout)
+    if kinds[0] is None or kinds[1] is None:
+        return False  # opaque layouts: only identical shapes can be exchanged
+    same_tokens = initiator.block_size // max(initiator.physical_per_logical, 1) == target.block_size // max(
+        target.physical_per_logical, 1
+    )
+    if not same_tokens or kinds[0] != kinds[1]:
+        return True
+    return initiator_tp != target_tp and kinds[0] != HEAD_MAJOR
+
+
+def check_convertible(
+    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+) -> None:
+    """Raise PlanError unless the plans of this module can move KV between the two engines. The
+    message names both sides' values ("here" is the initiator)."""
+    if not initiator or not target:
+        raise PlanError("an engine has no registered workers")
+    mine, theirs = initiator[0], target[0]
+    if initiator_tp % target_tp and target_tp % initiator_tp:
+        raise PlanError(f"TP sizes {initiator_tp} (here) and {target_tp} (peer) do not divide one another")
+    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
+        if a and b and a != b:
+            raise PlanError(f"KV {what} differs: {a} here vs {b} on the peer; it cannot be converted")
+    if mine.total_num_kv_heads != theirs.total_num_kv_heads:
+        raise PlanError(
+            f"the models have {mine.total_num_kv_heads} KV heads here and {theirs.total_num_kv_heads} on the peer"
+        )
+    for layout, tp in ((mine, initiator_tp), (theirs, target_tp)):
+        if layout.num_kv_heads * tp != layout.total_num_kv_heads:
+            raise PlanError(
+                f"conversion needs KV heads split evenly: {layout.num_kv_heads} heads x TP {tp} "
+                f"!= {layout.total_num_kv_heads} (replicated heads are not supported)"
+            )
+    small, large = sorted((mine.block_size, theirs.block_size))
+    if large % small:
+        raise PlanError(
+            f"block sizes {mine.block_size} (here) and {theirs.block_size} (peer) do not divide one another"
+        )
+    names_mine = [region.name for region in mine.regions]
+    names_theirs = [region.name for region in theirs.regions]
+    if names_mine != names_theirs:
+        raise PlanError(
+            f"the engines name different KV regions ({len(names_mine)} vs {len(names_theirs)}; first: "
+            f"{names_mine[:1]} vs {names_theirs[:1]})"
+        )
+    if any(region.group_id for worker in (mine, theirs) for region in worker.regions):
+        raise PlanError("block size or layout conversion supports one KV cache group (no hybrid models)")
+    for region_a, region_b in zip(mine.regions, theirs.regions, strict=True):
+        shape_a, shape_b = block_shape(mine, region_a), block_shape(theirs, region_b)
+        if shape_a.chunk != shape_b.chunk:
+            raise PlanError(
+                f"region {region_a.name!r}: {shape_a.chunk} bytes per token and head here vs {shape_b.chunk} on "
+                "the peer (different head size or dtype)"
+            )
+
+
+def check_exchange(
+    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+) -> None:
+    """Raise PlanError unless KV can move between the two engines, converted or byte for byte."""
+    if initiator and target and needs_conversion(initiator[0], initiator_tp, target[0], target_tp):
+        check_convertible(initiator, initiator_tp, target, target_tp)
+    else:
+        check_compatible(initiator, initiator_tp, target, target_tp)
 
 
 # --- logical content (staging copies, integrity digests, tests) ---------------------------------

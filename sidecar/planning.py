@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 # Layouts where a block's bytes are grouped by KV head, so a contiguous byte slice of a block is
-# a contiguous range of heads (vLLM forces "HND" for NIXL; the CPU backend reports "LBHNC").
-HEAD_MAJOR_LAYOUTS = frozenset({"HND", "LBHNC"})
+# a contiguous range of heads (vLLM forces "HND" for NIXL; the shim names vLLM's CPU backend
+# "CPU_LBHNC": head-major, but K is transposed inside a head, so it is never converted).
+HEAD_MAJOR_LAYOUTS = frozenset({"HND", "LBHNC", "CPU_LBHNC"})
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -55,6 +56,8 @@ class WorkerLayout:
     total_num_kv_heads: int
     is_mla: bool
     device_id: int = 0
+    head_size: int = 0  # 0: not stated
+    dtype: str = ""  # "": not stated
 
 
 @dataclass(frozen=True)
@@ -189,17 +192,23 @@ def check_compatible(
     mine, theirs = initiator[0], target[0]
     if initiator_tp % target_tp and target_tp % initiator_tp:
         raise PlanError(f"TP sizes {initiator_tp} and {target_tp} do not divide one another")
+    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
+        if a and b and a != b:
+            raise PlanError(f"KV {what} differs: {a} here vs {b} on the peer; it cannot be converted")
     if mine.block_size != theirs.block_size:
         raise PlanError(
-            f"block sizes differ ({mine.block_size} vs {theirs.block_size} tokens); "
-            "heterogeneous block sizes are not supported"
+            f"block sizes differ ({mine.block_size} here vs {theirs.block_size} tokens on the peer) and the layouts "
+            f"({mine.kv_layout!r}, {theirs.kv_layout!r}) are not both convertible (HND/LBHNC, NHD/LBNHC)"
         )
     if mine.physical_per_logical != theirs.physical_per_logical:
         raise PlanError(
             f"kernel blocks per logical block differ ({mine.physical_per_logical} vs {theirs.physical_per_logical})"
         )
     if mine.kv_layout != theirs.kv_layout:
-        raise PlanError(f"KV layouts differ ({mine.kv_layout!r} vs {theirs.kv_layout!r})")
+        raise PlanError(
+            f"KV layouts differ ({mine.kv_layout!r} here vs {theirs.kv_layout!r} on the peer) and are not both "
+            "convertible (HND/LBHNC, NHD/LBNHC)"
+        )
     if mine.is_mla != theirs.is_mla:
         raise PlanError("one engine uses MLA and the other does not")
     if initiator_tp != target_tp and not mine.is_mla:

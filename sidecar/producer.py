@@ -15,6 +15,7 @@ Runs on the event loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
+from sidecar.integrity import DigestSpan, check_span, digests
 from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.notices import NoticeTally
-from sidecar.planning import BlockIds, PlanError, check_block_ids, trim_to_tail
+from sidecar.plan_convert import single_group
+from sidecar.planning import BlockIds, PlanError, check_block_ids
 from sidecar.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
 
@@ -224,6 +227,31 @@ class ProducerSide:
         self._update_gauges()
         return peer_pb2.PushRegResponse(sidecar_id=node.sidecar_id, matched=True)
 
+    async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
+        """Integrity, pull: digests of a held request's span, hashed from the engine's memory in a
+        worker thread (a task of the engine, so the worker's memory outlives it)."""
+        node = self._node
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id", required=False)
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
+        if pending is None or not pending.accepts_pull:
+            raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
+        engine = node.registry.require_engine(pending.engine_id, "engine_id")
+        span = DigestSpan.from_proto(request.span)
+        layout = engine.ordered_workers()[0].layout
+        problem = check_span(span, len(single_group(pending.block_ids, "the request")) * layout.block_size)
+        if problem:
+            raise InvalidArgument("span", problem)
+        values = await self._digest(pending, engine, span)
+        return peer_pb2.GetDigestsResponse(sidecar_id=node.sidecar_id, digests=span.to_proto(values))
+
+    async def _digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
+        layouts = [worker.layout for worker in engine.ordered_workers()]
+        blocks = single_group(pending.block_ids, "the request")
+        work = asyncio.to_thread(digests, layouts, blocks, 0, span)
+        return await self._node.spawn(work, engines=[pending.engine_id])
+
     async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
@@ -305,7 +333,6 @@ class ProducerSide:
             view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
-            source = trim_to_tail(pending.block_ids, blocks)
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.
                 self._pushing.pop(registration.key, None)
@@ -313,17 +340,25 @@ class ProducerSide:
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
                 return
             not_after = self.leases.deadline(pending.key)
+            signed = None
+            if request.want_digests:
+                span = node.dataplane.digest_span(
+                    "WRITE", local, engine.tp_size, view, pending.block_ids, blocks, pending.num_tokens
+                )
+                signed = span.to_proto(await self._digest(pending, engine, span))
             outcome = await node.dataplane.run(
                 "WRITE",
                 local,
                 engine.tp_size,
                 view,
-                source,
+                pending.block_ids,
                 blocks,
                 target_request_id=request.request_id,
                 transfer_id=request.transfer_id or pending.transfer_id,
                 timeout=node.settings.transfer_timeout_seconds,
                 not_after=not_after,
+                num_tokens=pending.num_tokens,
+                digests=signed,
             )
             pending.bytes_moved = outcome.bytes
             if not outcome.ok:

@@ -110,12 +110,26 @@ class TransferResult:
     peer_gone: bool = False
 
 
+@dataclass(eq=False)
+class Staging:
+    """A sidecar-owned buffer registered with one agent, for transfers that convert layouts
+    through a copy. Lent by ``NixlTransport.staging`` and given back with ``unstage``."""
+
+    array: np.ndarray
+    busy: bool = False
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+
 @dataclass
 class _Agent:
     agent: Any
     registrations: list[Any] = field(default_factory=list)
     dlists: dict[tuple[str, Hashable], Any] = field(default_factory=dict)
     remotes: dict[str, bytes] = field(default_factory=dict)
+    staging: list[Staging] = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +230,37 @@ class NixlTransport:
         args = (agent_name, op, remote, local_list, local_indices, remote_list, remote_indices)
         self._commands.put((self._post, (*args, notification, deadline, not_after, future), future))
         return await asyncio.wrap_future(future)
+
+    async def transfer_runs(
+        self,
+        agent_name: str,
+        op: str,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        local_mem: str,
+        remote_descs: np.ndarray,
+        remote_mem: str,
+        notification: bytes,
+        deadline: float,
+        not_after: float | None = None,
+    ) -> TransferResult:
+        """Like ``transfer`` with explicit Nx3 descriptor arrays (row i of ``local`` moves to or
+        from row i of ``remote_descs``), prepared for this transfer only: for plans that change
+        block size or layout, whose descriptors are not a selection of a prepared view."""
+        future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
+        args = (agent_name, op, remote, local, local_mem, remote_descs, remote_mem, notification)
+        self._commands.put((self._post_runs, (*args, deadline, not_after, future), future))
+        return await asyncio.wrap_future(future)
+
+    async def staging(self, agent_name: str, nbytes: int) -> Staging:
+        """Lend a registered staging buffer of at least ``nbytes`` (pooled per agent; sizes are
+        rounded up to a power of two so the pool stays small). Give it back with ``unstage``."""
+        result: Staging = await self._call(self._lend_staging, agent_name, nbytes)
+        return result
+
+    def unstage(self, staging: Staging) -> None:
+        """Give a staging buffer back; only once no transfer on it can still be in flight."""
+        self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -409,6 +454,7 @@ class NixlTransport:
         for registration in state.registrations:
             _quietly(state.agent.deregister_memory, registration)
         state.registrations.clear()
+        state.staging.clear()  # deregistered above with the other registrations
         # The agent object is dropped here, on the owner thread, so its destructor runs here too.
         del state
 
@@ -480,6 +526,56 @@ class NixlTransport:
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
+        return self._launch(state, agent_name, op, handle, deadline, future, now)
+
+    def _post_runs(
+        self,
+        agent_name: str,
+        op: str,
+        remote: RemoteAgent,
+        local: np.ndarray,
+        local_mem: str,
+        remote_descs: np.ndarray,
+        remote_mem: str,
+        notification: bytes,
+        deadline: float,
+        not_after: float | None,
+        future: concurrent.futures.Future[TransferResult],
+    ) -> object:
+        now = time.monotonic()
+        if not_after is not None and now > not_after:
+            self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
+            return _DEFERRED
+        state = self._agents.get(agent_name)
+        if state is None:
+            self._complete(future, TransferResult(False, f"local agent {agent_name} is gone"))
+            return _DEFERRED
+        try:
+            self._ensure_remote(state, remote)
+            handle = state.agent.initialize_xfer(
+                op,
+                state.agent.get_xfer_descs(local, local_mem),
+                state.agent.get_xfer_descs(remote_descs, remote_mem),
+                remote.name,
+                notif_msg=notification,
+            )
+        except Exception as exc:
+            self._complete(
+                future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
+            )
+            return _DEFERRED
+        return self._launch(state, agent_name, op, handle, deadline, future, now)
+
+    def _launch(
+        self,
+        state: _Agent,
+        agent_name: str,
+        op: str,
+        handle: Any,
+        deadline: float,
+        future: concurrent.futures.Future[TransferResult],
+        now: float,
+    ) -> object:
         xfer = _InFlight(agent_name, handle, op, deadline, future, now)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
@@ -509,6 +605,26 @@ class NixlTransport:
             raise ValueError(f"local agent {agent_name} is gone")
         self._ensure_remote(state, remote)
         state.agent.send_notif(remote.name, payload)
+
+    def _lend_staging(self, agent_name: str, nbytes: int) -> Staging:
+        state = self._agents.get(agent_name)
+        if state is None:
+            raise ValueError(f"local agent {agent_name} is gone")
+        for staging in state.staging:
+            if not staging.busy and staging.array.size >= nbytes:
+                staging.busy = True
+                return staging
+        size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+        array = np.zeros(size, dtype=np.uint8)
+        array[::4096] = 1  # fault every page in now, not during the first transfer
+        state.registrations.append(state.agent.register_memory([(int(array.ctypes.data), size, 0, "")], "DRAM"))
+        staging = Staging(array, busy=True)
+        state.staging.append(staging)
+        return staging
+
+    @staticmethod
+    def _return_staging(staging: Staging) -> None:
+        staging.busy = False
 
     def _adjust_expecting(self, delta: int) -> None:
         self._expecting = max(0, self._expecting + delta)
