@@ -211,6 +211,9 @@ class ConsumerSide:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
             self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
+            if isinstance(exc, PlanError):
+                # The producer learns why too (its log names both sides' values) and frees its blocks.
+                self._node.spawn(self._tell_producer(pending, consumed=False, reason=str(exc)), engines=[])
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
         if not any(local):
             # A full prefix hit: nothing will be written. The registration still lets the producer
@@ -322,7 +325,9 @@ class ConsumerSide:
                 node.settings.peer_call_timeout_seconds,
             )
             local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
+            node.dataplane.check(
+                local, engine.tp_size, view, (f"on consumer {engine.engine_id}", f"on producer {view.engine_id}")
+            )
             expected = None
             if node.settings.integrity == "digest":
                 # Before the READ: its notification lets the producer free the blocks.
@@ -402,7 +407,11 @@ class ConsumerSide:
         view = await node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
         # The producer will initiate; check the pairing from its side.
         check_exchange(
-            [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
+            [w.layout for w in view.workers],
+            view.tp_size,
+            [w.layout for w in engine.ordered_workers()],
+            engine.tp_size,
+            (f"on producer {view.engine_id}", f"on consumer {engine.engine_id}"),
         )
         if pending.remote.tp_size and pending.remote.tp_size != view.tp_size:
             raise FailedPrecondition(

@@ -194,9 +194,14 @@ class DataPlane:
         return needs_conversion(initiator[0].layout, initiator_tp, target.workers[0].layout, target.tp_size)
 
     @staticmethod
-    def check(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> None:
-        """Raise PlanError (naming both sides' values) unless KV can move between the engines."""
-        check_exchange([w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size)
+    def check(
+        initiator: list[LocalWorker], initiator_tp: int, target: EngineView, names: tuple[str, str] = ("here", "")
+    ) -> None:
+        """Raise PlanError unless KV can move between the engines; the message names both sides'
+        values, each followed by its side's name in ``names`` (local, then the target's engine)."""
+        names = (names[0], names[1] or f"on {target.engine_id}")
+        mine, theirs = [w.layout for w in initiator], [w.layout for w in target.workers]
+        check_exchange(mine, initiator_tp, theirs, target.tp_size, names)
 
     async def run(
         self,

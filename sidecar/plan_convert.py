@@ -210,21 +210,26 @@ def needs_conversion(initiator: WorkerLayout, initiator_tp: int, target: WorkerL
 
 
 def check_convertible(
-    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+    initiator: Sequence[WorkerLayout],
+    initiator_tp: int,
+    target: Sequence[WorkerLayout],
+    target_tp: int,
+    names: tuple[str, str] = ("here", "on the peer"),
 ) -> None:
     """Raise PlanError unless the plans of this module can move KV between the two engines. The
-    message names both sides' values ("here" is the initiator)."""
+    message names both sides' values, each followed by its name in ``names`` (initiator, target)."""
+    here, there = names
     if not initiator or not target:
         raise PlanError("an engine has no registered workers")
     mine, theirs = initiator[0], target[0]
     if initiator_tp % target_tp and target_tp % initiator_tp:
-        raise PlanError(f"TP sizes {initiator_tp} (here) and {target_tp} (peer) do not divide one another")
+        raise PlanError(f"TP sizes {initiator_tp} {here} and {target_tp} {there} do not divide one another")
     for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
         if a and b and a != b:
-            raise PlanError(f"KV {what} differs: {a} here vs {b} on the peer; it cannot be converted")
+            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
     if mine.total_num_kv_heads != theirs.total_num_kv_heads:
         raise PlanError(
-            f"the models have {mine.total_num_kv_heads} KV heads here and {theirs.total_num_kv_heads} on the peer"
+            f"the models have {mine.total_num_kv_heads} KV heads {here} and {theirs.total_num_kv_heads} {there}"
         )
     for layout, tp in ((mine, initiator_tp), (theirs, target_tp)):
         if layout.num_kv_heads * tp != layout.total_num_kv_heads:
@@ -235,7 +240,7 @@ def check_convertible(
     small, large = sorted((mine.block_size, theirs.block_size))
     if large % small:
         raise PlanError(
-            f"block sizes {mine.block_size} (here) and {theirs.block_size} (peer) do not divide one another"
+            f"block sizes {mine.block_size} {here} and {theirs.block_size} {there} do not divide one another"
         )
     names_mine = [region.name for region in mine.regions]
     names_theirs = [region.name for region in theirs.regions]
@@ -250,19 +255,23 @@ def check_convertible(
         shape_a, shape_b = block_shape(mine, region_a), block_shape(theirs, region_b)
         if shape_a.chunk != shape_b.chunk:
             raise PlanError(
-                f"region {region_a.name!r}: {shape_a.chunk} bytes per token and head here vs {shape_b.chunk} on "
-                "the peer (different head size or dtype)"
+                f"region {region_a.name!r}: {shape_a.chunk} bytes per token and head {here} vs {shape_b.chunk} "
+                f"{there} (different head size or dtype)"
             )
 
 
 def check_exchange(
-    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+    initiator: Sequence[WorkerLayout],
+    initiator_tp: int,
+    target: Sequence[WorkerLayout],
+    target_tp: int,
+    names: tuple[str, str] = ("here", "on the peer"),
 ) -> None:
     """Raise PlanError unless KV can move between the two engines, converted or byte for byte."""
     if initiator and target and needs_conversion(initiator[0], initiator_tp, target[0], target_tp):
-        check_convertible(initiator, initiator_tp, target, target_tp)
+        check_convertible(initiator, initiator_tp, target, target_tp, names)
     else:
-        check_compatible(initiator, initiator_tp, target, target_tp)
+        check_compatible(initiator, initiator_tp, target, target_tp, names)
 
 
 # --- logical content (staging copies, integrity digests, tests) ---------------------------------

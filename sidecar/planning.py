@@ -180,7 +180,11 @@ def unpaired_targets(initiator_tp: int, target_tp: int, is_mla: bool) -> list[in
 
 
 def check_compatible(
-    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+    initiator: Sequence[WorkerLayout],
+    initiator_tp: int,
+    target: Sequence[WorkerLayout],
+    target_tp: int,
+    names: tuple[str, str] = ("here", "on the peer"),
 ) -> None:
     """Raise PlanError unless the two engines' KV can be exchanged byte for byte.
 
@@ -190,14 +194,15 @@ def check_compatible(
     if not initiator or not target:
         raise PlanError("an engine has no registered workers")
     mine, theirs = initiator[0], target[0]
+    here, there = names
     if initiator_tp % target_tp and target_tp % initiator_tp:
         raise PlanError(f"TP sizes {initiator_tp} and {target_tp} do not divide one another")
     for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
         if a and b and a != b:
-            raise PlanError(f"KV {what} differs: {a} here vs {b} on the peer; it cannot be converted")
+            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
     if mine.block_size != theirs.block_size:
         raise PlanError(
-            f"block sizes differ ({mine.block_size} here vs {theirs.block_size} tokens on the peer) and the layouts "
+            f"block sizes differ ({mine.block_size} tokens {here} vs {theirs.block_size} {there}) and the layouts "
             f"({mine.kv_layout!r}, {theirs.kv_layout!r}) are not both convertible (HND/LBHNC, NHD/LBNHC)"
         )
     if mine.physical_per_logical != theirs.physical_per_logical:
@@ -206,7 +211,7 @@ def check_compatible(
         )
     if mine.kv_layout != theirs.kv_layout:
         raise PlanError(
-            f"KV layouts differ ({mine.kv_layout!r} here vs {theirs.kv_layout!r} on the peer) and are not both "
+            f"KV layouts differ ({mine.kv_layout!r} {here} vs {theirs.kv_layout!r} {there}) and are not both "
             "convertible (HND/LBHNC, NHD/LBNHC)"
         )
     if mine.is_mla != theirs.is_mla:

@@ -277,6 +277,16 @@ class ProducerSide:
         """A consumer is done with a request (consumed it, or gave up on it)."""
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
+        if not request.consumed:
+            # The consumer gave up (e.g. it found the engines incompatible): say why here too.
+            log.warning(
+                "consumer_released",
+                engine_id=request.engine_id,
+                request_id=request.request_id,
+                consumer_request_id=request.consumer_request_id,
+                peer=request.caller_sidecar_id,
+                reason=request.reason,
+            )
         # A push registration still waiting for its blocks: drop it.
         registration = self.matcher.find_registration_for(
             request.engine_id, request.transfer_id, request.consumer_request_id
@@ -332,7 +342,9 @@ class ProducerSide:
             engine = node.registry.require_engine(pending.engine_id, "engine_id")
             view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
             local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
+            node.dataplane.check(
+                local, engine.tp_size, view, (f"on producer {engine.engine_id}", f"on consumer {view.engine_id}")
+            )
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.
                 self._pushing.pop(registration.key, None)

@@ -143,3 +143,75 @@ def test_hetero_representative_cells(rig: Rig) -> None:
 @pytest.mark.slow
 def test_hetero_full_matrix(rig: Rig) -> None:
     _run_cells(rig, ALL_CELLS)
+
+
+# --- refusals and the integrity check ------------------------------------------------------------
+
+
+def _pair(sidecars, engines, p_shape: dict, d_shape: dict, integrity: bool = True):
+    args = INTEGRITY if integrity else []
+    p_side, d_side = sidecars("p", args=args), sidecars("d", args=args)
+    base = {"layers": LAYERS, "blocks": BLOCKS, "heads": TOTAL_HEADS, "head_size": CHUNK // 4, "dtype": "float16"}
+    shape_p = base | {"block_size": 16, "kv_layout": "HND", "block_len": 16 * TOTAL_HEADS * CHUNK} | p_shape
+    shape_d = base | {"block_size": 16, "kv_layout": "HND", "block_len": 16 * TOTAL_HEADS * CHUNK} | d_shape
+    return engines(p_side, "P", "producer", **shape_p), engines(d_side, "D", "consumer", **shape_d), p_side, d_side
+
+
+def _start(producer: EngineProcess, consumer: EngineProcess, mode: str, request: str, p_blocks, d_blocks) -> None:
+    remote = {"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request}
+    if mode == "pull":
+        assert producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS)["ok"]
+        remote |= {"blocks": [p_blocks], "num_tokens": TOKENS}
+        assert consumer.command("pull", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)["ok"]
+    else:
+        assert consumer.command("expect_push", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)["ok"]
+        reply = producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS, mode=PUSH)
+        assert reply["ok"], reply
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "differs,p_value,d_value", [("dtype", "float16", "bfloat16"), ("head_size", 16, 32)], ids=["dtype", "head_size"]
+)
+def test_what_cannot_be_converted_is_refused_naming_both_sides(sidecars, engines, mode, differs, p_value, d_value):
+    """Different dtype or head size (with a different block size too): LOAD_FAILED whose reason
+    names both values and both engines, on D's and on P's log; P's blocks are freed."""
+    producer, consumer, p_side, d_side = _pair(
+        sidecars, engines, {differs: p_value}, {differs: d_value, "block_size": 8, "block_len": 8 * TOTAL_HEADS * CHUNK}
+    )
+    _start(producer, consumer, mode, "refused", list(range(10)), list(range(19)))
+    events = consumer.wait_event("refused-d", 30)
+    assert {e["event"] for e in events} == {"LOAD_FAILED"}, events
+    reason = events[0]["reason"]
+    expected = [str(p_value), str(d_value), "producer P", "consumer D"]
+    assert all(text in reason for text in expected), reason
+    assert sorted(events[0]["failed_block_ids"]) == list(range(19))
+    assert any(all(text in e.get("reason", "") for text in expected) for e in d_side.log_events())
+    # P hears why: its log names the values, and its blocks are freed (push: once submitted).
+    assert producer.wait_event("refused", 30)[0]["event"] == "FINISHED_SENDING" or mode == "push"
+    wait_for_log = [e for e in p_side.log_events() if e.get("event") == "consumer_released"]
+    assert any(all(text in e.get("reason", "") for text in expected) for e in wait_for_log), wait_for_log
+
+
+@pytest.mark.parametrize("integrity", [True, False], ids=["digest", "off"])
+def test_integrity_check_names_the_block_that_does_not_match(sidecars, engines, integrity):
+    """D pulls with one wrong remote block id (stale kv_transfer_params: the bytes it reads are not
+    the request's). With integrity = digest the load fails naming D's block that holds them; without
+    it the load 'succeeds' with the wrong bytes. (Different block sizes and layouts, staged path.)"""
+    producer, consumer, _, _ = _pair(
+        sidecars, engines, {"kv_layout": "NHD"}, {"block_size": 32, "block_len": 32 * TOTAL_HEADS * CHUNK},
+        integrity=integrity,
+    )  # fmt: skip
+    p_blocks, d_blocks = list(range(10, 20)), [7, 3, 12, 40, 41]
+    assert producer.command("fill_tokens", blocks=list(range(BLOCKS)), num_tokens=BLOCKS * 16, seed=4)["ok"]
+    assert producer.command("submit", request_id="stale", blocks=[p_blocks], num_tokens=TOKENS)["ok"]
+    told = [*p_blocks[:4], 50, *p_blocks[5:]]  # P's 5th block (tokens 64..79) named wrongly
+    remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "stale", "blocks": [told]}
+    remote["num_tokens"] = TOKENS
+    assert consumer.command("pull", request_id="stale-d", blocks=[d_blocks], remote=remote)["ok"]
+    events = consumer.wait_event("stale-d", 30)
+    if not integrity:
+        assert {e["event"] for e in events} == {"FINISHED_RECEIVING"}, events
+        return
+    assert {e["event"] for e in events} == {"LOAD_FAILED"}, events
+    assert "integrity check failed: block 12 (tokens 64..79)" in events[0]["reason"], events[0]["reason"]
