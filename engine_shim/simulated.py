@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,20 +206,6 @@ class SimulatedEngine:
 # --- process mode -----------------------------------------------------------------------------
 
 
-def _scribble(engine: SimulatedEngine, block: int, seconds: float) -> None:
-    """Misbehave on purpose: keep overwriting ``block`` (rank 0, layer 0) with 0xA5 for
-    ``seconds``, as an engine that reuses a block during a load would (integrity tests)."""
-    target = engine.block(0, 0, block)
-    deadline = time.monotonic() + seconds
-
-    def run() -> None:
-        while time.monotonic() < deadline:
-            target[:] = 0xA5
-            time.sleep(0.0002)
-
-    threading.Thread(target=run, name="scribble", daemon=True).start()
-
-
 def _blocks(value: Any) -> list[list[int]]:
     return [list(group) for group in value]
 
@@ -230,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
 
     stdin, one JSON object per line: {"op": "fill", "blocks": [..], "seed": n} |
     {"op": "fill_tokens", "blocks": [..], "num_tokens", "seed"} | {"op": "clear"} |
-    {"op": "scribble", "block", "seconds"} (keep overwriting a block: integrity tests) |
     {"op": "verify_tokens", "blocks": [..], "first_token", "num_tokens", "seed"} (replies
     checked_tokens, bad_count, bad: [[rank, layer, first bad token, count]], tail_dirty) |
     {"op": "submit", "request_id", "blocks": [[..]], "num_tokens"?, "transfer_id"?, "lease_seconds"?, "mode"?} |
@@ -325,9 +309,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 elif op == "clear":
                     engine.clear()
-                    result = {}
-                elif op == "scribble":
-                    _scribble(engine, command["block"], command["seconds"])
                     result = {}
                 elif op == "submit":
                     response = client.submit_blocks(
