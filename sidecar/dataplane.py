@@ -34,10 +34,9 @@ from sidecar.plan_convert import (
     Side,
     block_shape,
     check_exchange,
-    logical_tokens,
+    copy_tokens,
     needs_conversion,
     run_descriptors,
-    scatter_tokens,
     shared_heads,
     single_group,
     transfer_span,
@@ -467,21 +466,9 @@ def _permute(source: Side, dest: Side, span: Span, head_first: int, heads: int) 
     """Copy tokens [first, end) of heads [head_first, +heads) from ``source`` to ``dest``, both
     in this sidecar's memory, region by region (runs in a worker thread; numpy drops the GIL)."""
     for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
-        src_shape = block_shape(source.worker, src_region)
-        dst_shape = block_shape(dest.worker, dst_region)
-        values = logical_tokens(
-            _memory(source.worker, src_region),
-            src_region,
-            src_shape,
-            source.worker.num_blocks,
-            source,
-            span.first,
-            span.end,
-        )
-        local = head_first - src_shape.first_head
-        scatter_tokens(
-            _memory(dest.worker, dst_region), dst_region, dst_shape, dest.worker.num_blocks, dest, span.first,
-            values[:, local : local + heads], head_first,
+        copy_tokens(
+            source, _memory(source.worker, src_region), src_region, dest, _memory(dest.worker, dst_region), dst_region,
+            span.first, span.end, head_first, heads,
         )  # fmt: skip
 
 

@@ -20,7 +20,8 @@ NIXL descriptors: every (layer, token, shared head) chunk gets a source and a de
 address, and chunks that are adjacent on *both* sides merge into one descriptor. Same shapes give
 whole blocks; a block-size change gives one run per small block (token-major) or per small block
 and head (head-major); a layout change gives one chunk per descriptor, which is why the data plane
-converts layouts through a staging buffer instead (``logical_tokens`` / ``scatter_tokens``).
+converts layouts through a staging buffer instead (``copy_tokens``); ``logical_tokens`` reads
+logical content for integrity digests.
 """
 
 from __future__ import annotations
@@ -308,26 +309,38 @@ def logical_tokens(
     return gathered[skip : skip + end - first]
 
 
-def scatter_tokens(
-    region_bytes: np.ndarray,
-    region: RegionLayout,
-    shape: BlockShape,
-    num_blocks: int,
-    side: Side,
+def copy_tokens(
+    source: Side,
+    source_bytes: np.ndarray,
+    source_region: RegionLayout,
+    dest: Side,
+    dest_bytes: np.ndarray,
+    dest_region: RegionLayout,
     first: int,
-    values: np.ndarray,
+    end: int,
     head_first: int,
+    heads: int,
 ) -> None:
-    """Write ``values`` (tokens, heads, chunk) as tokens [first, first + len) and heads
-    [head_first, head_first + heads) into one region; the inverse of ``logical_tokens``."""
-    physical = side.physical()
-    view = _token_major(_blocks_view(region_bytes, shape, region.block_stride, num_blocks), shape)
-    local = head_first - shape.first_head
-    count = values.shape[1]
-    token = first - side.first_token
-    done = 0
-    while done < values.shape[0]:  # one (partial) block at a time: fancy indexing would copy
-        block, offset = divmod(token + done, shape.tokens)
-        take = min(shape.tokens - offset, values.shape[0] - done)
-        view[physical[block], offset : offset + take, local : local + count] = values[done : done + take]
-        done += take
+    """Copy tokens [first, end) of heads [head_first, +heads) of one region from ``source`` to
+    ``dest`` in one pass: one strided numpy copy per piece of a block that lies inside one block
+    on each side (the layout permutation happens inside each copy)."""
+    src_shape = block_shape(source.worker, source_region)
+    dst_shape = block_shape(dest.worker, dest_region)
+    src_view = _token_major(
+        _blocks_view(source_bytes, src_shape, source_region.block_stride, source.worker.num_blocks), src_shape
+    )
+    dst_view = _token_major(
+        _blocks_view(dest_bytes, dst_shape, dest_region.block_stride, dest.worker.num_blocks), dst_shape
+    )
+    src_physical, dst_physical = source.physical(), dest.physical()
+    src_heads = slice(head_first - src_shape.first_head, head_first - src_shape.first_head + heads)
+    dst_heads = slice(head_first - dst_shape.first_head, head_first - dst_shape.first_head + heads)
+    token = first
+    while token < end:
+        src_block, src_offset = divmod(token - source.first_token, src_shape.tokens)
+        dst_block, dst_offset = divmod(token - dest.first_token, dst_shape.tokens)
+        take = min(src_shape.tokens - src_offset, dst_shape.tokens - dst_offset, end - token)
+        dst_view[dst_physical[dst_block], dst_offset : dst_offset + take, dst_heads] = src_view[
+            src_physical[src_block], src_offset : src_offset + take, src_heads
+        ]
+        token += take

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from sidecar.integrity import DigestSpan, check_span, digests, first_mismatch, granule
-from sidecar.plan_convert import Side, block_shape, scatter_tokens
 from sidecar.planning import RegionLayout, WorkerLayout
 
 LAYERS, HEADS, CHUNK, BLOCKS, TOKENS = 2, 4, 8, 16, 45
@@ -37,13 +36,16 @@ class Engine:
     def store(self, blocks: list[int], first: int, content: list[np.ndarray]) -> None:
         """Write logical ``content`` (per layer: tokens x all heads x chunk) from token ``first``."""
         for worker in self.workers:
+            heads, size = worker.num_kv_heads, worker.block_size
             for layer, region in enumerate(worker.regions):
-                shape = block_shape(worker, region)
-                values = content[layer][first:, shape.first_head : shape.first_head + shape.heads]
-                memory = self.memory[self.offset(region.base) :]
-                scatter_tokens(
-                    memory, region, shape, BLOCKS, Side(worker, blocks, first), first, values, shape.first_head
-                )
+                for token in range(first, TOKENS):
+                    block, within = divmod(token - first, size)
+                    for local in range(heads):
+                        inner = (
+                            local * size + within if worker.kv_layout in ("HND", "LBHNC") else within * heads + local
+                        )
+                        at = self.offset(region.base) + blocks[block] * region.block_len + inner * CHUNK
+                        self.memory[at : at + CHUNK] = content[layer][token, worker.tp_rank * heads + local]
 
 
 def content() -> list[np.ndarray]:

@@ -12,9 +12,9 @@ import pytest
 from sidecar.plan_convert import (
     Side,
     block_shape,
+    copy_tokens,
     logical_tokens,
     run_descriptors,
-    scatter_tokens,
     shared_heads,
     transfer_span,
 )
@@ -153,25 +153,16 @@ def test_plan_moves_every_token_and_head_and_nothing_else(sizes, layouts, tps, t
     check(dst, dst_blocks, first, end)
 
 
-@pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
-@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda s: f"{s[0]}-{s[1]}")
-@pytest.mark.parametrize("tps", TPS, ids=lambda s: f"tp{s[0]}to{s[1]}")
-def test_staging_copy_through_logical_tokens_matches_the_oracle(sizes, layouts, tps) -> None:
-    memory, src, dst, src_blocks, dst_blocks = _case(*sizes, *layouts, *tps, 45, 1)
+def test_logical_tokens_reads_content_whatever_the_layout() -> None:
+    memory, src, _, src_blocks, _ = _case(16, 8, "NHD", "HND", 2, 1, 45, 0)
     fill(src, src_blocks, 45)
-    first, end = transfer_span(45, len(src_blocks), src.block_size, len(dst_blocks), dst.block_size)
-    for rank in range(src.tp):
-        for pairing in pairings(src.tp, dst.tp, rank):
-            source = Side(src.workers[rank], src_blocks, 0)
-            dest = Side(dst.workers[pairing.target_rank], dst_blocks, first)
-            for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
-                src_shape = block_shape(source.worker, src_region)
-                dst_shape = block_shape(dest.worker, dst_region)
-                head_first, head_end = shared_heads(src_shape, dst_shape)
-                values = logical_tokens(memory[src_region.base :], src_region, src_shape, BLOCKS, source, first, end)
-                part = values[:, head_first - src_shape.first_head : head_end - src_shape.first_head]
-                scatter_tokens(memory[dst_region.base :], dst_region, dst_shape, BLOCKS, dest, first, part, head_first)
-    check(dst, dst_blocks, first, end)
+    worker = src.workers[1]
+    region = worker.regions[1]
+    values = logical_tokens(
+        memory[region.base :], region, block_shape(worker, region), BLOCKS, Side(worker, src_blocks, 0), 8, 45
+    )
+    assert values.shape == (37, 2, CHUNK)
+    assert (values[3, 1] == content(1, 11, 3)).all()
 
 
 def test_kernel_blocks_per_logical_block_are_expanded() -> None:
@@ -221,3 +212,25 @@ def test_unknown_layouts_and_uneven_blocks_are_refused() -> None:
     odd = WorkerLayout(0, 0, (RegionLayout("l", 0, 100, 100, 0),), 4, 1, 16, "HND", 4, 4, False)
     with pytest.raises(PlanError, match="do not hold 16 tokens x 4 heads"):
         block_shape(odd, odd.regions[0])
+
+
+@pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("tps", TPS, ids=lambda s: f"tp{s[0]}to{s[1]}")
+def test_copy_tokens_in_one_pass_matches_the_oracle(sizes, layouts, tps) -> None:
+    memory, src, dst, src_blocks, dst_blocks = _case(*sizes, *layouts, *tps, 45, 1)
+    fill(src, src_blocks, 45)
+    first, end = transfer_span(45, len(src_blocks), src.block_size, len(dst_blocks), dst.block_size)
+    for rank in range(src.tp):
+        for pairing in pairings(src.tp, dst.tp, rank):
+            source = Side(src.workers[rank], src_blocks, 0)
+            dest = Side(dst.workers[pairing.target_rank], dst_blocks, first)
+            for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+                head_first, head_end = shared_heads(
+                    block_shape(source.worker, src_region), block_shape(dest.worker, dst_region)
+                )
+                copy_tokens(
+                    source, memory[src_region.base :], src_region, dest, memory[dst_region.base :], dst_region,
+                    first, end, head_first, head_end - head_first,
+                )  # fmt: skip
+    check(dst, dst_blocks, first, end)
