@@ -36,6 +36,7 @@ from sidecar.plan_convert import (
     check_exchange,
     copy_tokens,
     needs_conversion,
+    predicted_run_bytes,
     run_descriptors,
     shared_heads,
     single_group,
@@ -340,11 +341,12 @@ class DataPlane:
         not_after: float | None,
     ) -> TransferResult:
         source, dest = (remote, local) if op == "READ" else (local, remote)
+        shapes = [block_shape(side.worker, side.worker.regions[0]) for side in (source, dest)]
+        if worker.mem_type == "DRAM" and predicted_run_bytes(*shapes) < self.staging_below_bytes:
+            return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
         src, dst = run_descriptors(source, dest, span.first, span.end)
         if not len(src):
             return await self._notify_only(worker, other, payload)
-        if worker.mem_type == "DRAM" and int(src[:, 1].mean()) < self.staging_below_bytes:
-            return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
         mine, theirs = (dst, src) if op == "READ" else (src, dst)
         return await self._transport.transfer_runs(
             worker.agent_name,

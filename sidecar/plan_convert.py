@@ -179,6 +179,23 @@ def run_descriptors(source: Side, dest: Side, first: int, end: int) -> tuple[np.
     return np.concatenate(src_rows), np.concatenate(dst_rows)
 
 
+def predicted_run_bytes(source: BlockShape, dest: BlockShape) -> int:
+    """The bytes of a typical descriptor of ``run_descriptors`` for these shapes (before adjacent
+    blocks merge), without building the plan: a layout change moves one chunk per descriptor, a
+    head-major block-size change one head of the smaller block, a token-major one the smaller
+    block (or one token's shared heads when the TP split differs)."""
+    head_first, head_end = shared_heads(source, dest)
+    shared = head_end - head_first
+    tokens = min(source.tokens, dest.tokens)
+    whole = shared == source.heads == dest.heads
+    kinds = {HEAD_MAJOR if shape.heads == 1 else shape.kind for shape in (source, dest)}  # 1 head: both
+    if len(kinds) > 1:
+        return source.chunk
+    if kinds == {HEAD_MAJOR}:  # the shared heads are one slice of a block on both sides
+        return tokens * source.chunk * (shared if source.tokens == dest.tokens else 1)
+    return (tokens if whole else 1) * shared * source.chunk
+
+
 def _descs(addresses: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
     out = np.empty((addresses.size, 3), dtype=np.uint64)
     out[:, 0] = addresses

@@ -14,6 +14,7 @@ from sidecar.plan_convert import (
     block_shape,
     copy_tokens,
     logical_tokens,
+    predicted_run_bytes,
     run_descriptors,
     shared_heads,
     transfer_span,
@@ -234,3 +235,17 @@ def test_copy_tokens_in_one_pass_matches_the_oracle(sizes, layouts, tps) -> None
                     first, end, head_first, head_end - head_first,
                 )  # fmt: skip
     check(dst, dst_blocks, first, end)
+
+
+@pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
+@pytest.mark.parametrize("layouts", LAYOUT_PAIRS, ids=lambda s: f"{s[0]}-{s[1]}")
+@pytest.mark.parametrize("tps", TPS, ids=lambda s: f"tp{s[0]}to{s[1]}")
+def test_predicted_run_bytes_is_the_plans_typical_run(sizes, layouts, tps) -> None:
+    """The staging decision uses the prediction instead of building the plan; it must be the
+    plan's most common run length (blocks are not adjacent here, so nothing merges across them)."""
+    _, src, dst, src_blocks, dst_blocks = _case(*sizes, *layouts, *tps, 64, 0)
+    source, dest = Side(src.workers[0], src_blocks, 0), Side(dst.workers[0], dst_blocks, 0)
+    shapes = [block_shape(side.worker, side.worker.regions[0]) for side in (source, dest)]
+    src_descs, _ = run_descriptors(source, dest, 0, 64)
+    lengths, counts = np.unique(src_descs[:, 1], return_counts=True)
+    assert predicted_run_bytes(*shapes) == int(lengths[np.argmax(counts)])
