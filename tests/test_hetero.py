@@ -219,3 +219,27 @@ def test_integrity_check_names_the_block_that_does_not_match(sidecars, engines, 
         return
     assert {e["event"] for e in events} == {"LOAD_FAILED"}, events
     assert "integrity check failed: block 12 (tokens 64..79)" in events[0]["reason"], events[0]["reason"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_large_staged_request_moves_in_pipelined_groups(sidecars, engines, mode):
+    """A 16 MiB layout conversion (8 layers x 8 heads x 512 B x 512 tokens) is staged in four
+    groups of layers, transfers overlapping permutations; every token arrives, one notification."""
+    p_side, d_side = sidecars("p", args=INTEGRITY), sidecars("d", args=INTEGRITY)
+    shape = {"layers": 8, "blocks": 40, "heads": 8, "block_size": 16, "block_len": 16 * 8 * 512}
+    producer = engines(p_side, "P", "producer", kv_layout="NHD", **shape)
+    consumer = engines(d_side, "D", "consumer", kv_layout="HND", **shape)
+    p_blocks, d_blocks = list(range(32)), list(range(39, 7, -1))
+    assert producer.command("fill_tokens", blocks=p_blocks, num_tokens=512, seed=9)["ok"]
+    remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "big"}
+    if mode == "pull":
+        assert producer.command("submit", request_id="big", blocks=[p_blocks], num_tokens=512)["ok"]
+        remote |= {"blocks": [p_blocks], "num_tokens": 512}
+        assert consumer.command("pull", request_id="big-d", blocks=[d_blocks], remote=remote)["ok"]
+    else:
+        assert consumer.command("expect_push", request_id="big-d", blocks=[d_blocks], remote=remote)["ok"]
+        assert producer.command("submit", request_id="big", blocks=[p_blocks], num_tokens=512, mode=PUSH)["ok"]
+    assert [e["event"] for e in consumer.wait_event("big-d", 60)] == ["FINISHED_RECEIVING"]
+    assert [e["event"] for e in producer.wait_event("big", 60)] == ["FINISHED_SENDING"]
+    check = consumer.command("verify_tokens", blocks=d_blocks, first_token=0, num_tokens=512, seed=9)
+    assert check["bad_count"] == 0 and check["checked_tokens"] == 512 * 8, check
