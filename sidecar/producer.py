@@ -9,6 +9,16 @@ A submitted request is held under a lease until its consumers are done with it:
 - the lease ends it otherwise (LEASE_EXPIRED); consumers' heartbeats extend it. A lease that ends
   while WRITEs are in flight frees the blocks only once they are all terminal.
 
+A pull READ is one-sided: this side cannot see it, let alone cancel it. What bounds it is the
+heartbeat: a consumer reads only after a heartbeat found the request here, and only until that
+heartbeat's send time + ``lease_extension_seconds`` (its transport fails a READ seen DONE later).
+So each heartbeat that finds a request moves its ``readable_until`` to receipt + extension, and
+a request released by its engine (or whose hold TTL ends) while a consumer may still read it is
+not handed back before then: it is ``closing`` (heartbeats answer "unknown", so no new READ
+starts) until its consumers' notifications arrive or ``readable_until`` passes. The lease itself
+always ends after ``readable_until``. This costs nothing on the hot path (no extra call per READ);
+only a release that races a READ waits, for at most one lease extension.
+
 Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
 Runs on the event loop thread.
 """
@@ -28,7 +38,7 @@ from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.notices import NoticeTally
 from sidecar.plan_convert import single_group
-from sidecar.planning import BlockIds, PlanError, check_block_ids
+from sidecar.planning import BlockIds, PlanError, check_block_ids, foreign_block_ids
 from sidecar.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
 
@@ -52,9 +62,14 @@ class ProducerRequest:
     created: float = field(default_factory=time.monotonic)
     notices: NoticeTally = field(default_factory=NoticeTally)
     writing: bool = False
-    lease_ended: bool = False
     held: bool = False
     bytes_moved: int = 0
+    # Until when (monotonic) a consumer may still READ these blocks (see the module docstring).
+    readable_until: float = 0.0
+    # Released (or its hold TTL ended) but a consumer may still READ: the event to emit when freed.
+    closing: tuple[int, str] | None = None
+    # Why a push's blocks are freed once its WRITEs end: (event kind, reason).
+    end: tuple[int, str] | None = None
 
     @property
     def key(self) -> RequestKey:
@@ -170,9 +185,9 @@ class ProducerSide:
             )
             return True
         if pending.writing:
-            pending.lease_ended = True  # free once the WRITEs are terminal
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
             return True
-        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"released: {reason}")
+        self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
         return True
 
     # --- PeerService --------------------------------------------------------------------------
@@ -185,8 +200,7 @@ class ProducerSide:
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
-        if not request.caller.address:
-            raise InvalidArgument("caller.address", "is required so the producer can reach the consumer")
+        validation.address(request.caller.address, "caller.address")
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
         )
@@ -201,6 +215,12 @@ class ProducerSide:
             await node.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
         node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
         node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
+        # The consumer's geometry, if we already know it: ids past its blocks would be written into
+        # whatever lies behind them. (Unknown yet: checked after the handshake, before any WRITE.)
+        known = node.peers.cached_view(request.caller.address, request.decode_engine_id)
+        problem = known.block_ids_problem(blocks) if known is not None else None
+        if problem:
+            raise InvalidArgument("block_ids", problem)
         reg_key = (request.decode_engine_id, request.request_id)
         if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
             # A repeated registration: the first one is already matched or waiting.
@@ -235,7 +255,7 @@ class ProducerSide:
         validation.identifier(request.request_id, "request_id", required=False)
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         pending = self._find(request.engine_id, request.request_id, request.transfer_id)
-        if pending is None or not pending.accepts_pull:
+        if pending is None or not pending.accepts_pull or pending.closing is not None:
             raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
         engine = node.registry.require_engine(pending.engine_id, "engine_id")
         span = DigestSpan.from_proto(request.span)
@@ -256,22 +276,43 @@ class ProducerSide:
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
         unknown = []
+        foreign = []
         extension = node.settings.lease_extension_seconds
         now = time.monotonic()
         for index, key in enumerate(request.requests):
             if not (key.request_id or key.transfer_id or key.consumer_request_id):
                 raise InvalidArgument(f"requests[{index}]", "names no request")
+            named = validation.block_ids(
+                key.block_ids, f"requests[{index}].block_ids", node.settings.max_blocks_per_request, required=False
+            )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
-            if pending is not None:
+            if pending is not None and pending.closing is None:
                 if not pending.held:
                     self.leases.extend(pending.key, now + extension)
+                pending.readable_until = max(pending.readable_until, now + extension)
+                problem = foreign_block_ids(named, pending.block_ids)
+                if problem:
+                    # A consumer about to read blocks this request does not own (another request's KV).
+                    log.warning(
+                        "pull_names_foreign_blocks",
+                        engine_id=pending.engine_id,
+                        request_id=pending.request_id,
+                        consumer_request_id=key.consumer_request_id,
+                        problem=problem,
+                    )
+                    foreign.append(key)
+                continue
+            if pending is not None:
+                unknown.append(key)  # released: no new READ may start
                 continue
             if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
                 continue  # a push registration still waiting for its blocks
             if any(active[1] == key.consumer_request_id for active in self._pushing):
                 continue
             unknown.append(key)
-        return peer_pb2.HeartbeatResponse(sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension)
+        return peer_pb2.HeartbeatResponse(
+            sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension, foreign_blocks=foreign
+        )
 
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
         """A consumer is done with a request (consumed it, or gave up on it)."""
@@ -304,7 +345,7 @@ class ProducerSide:
         if pending is None:
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=False)
         if pending.writing:
-            pending.lease_ended = True
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {request.reason}")
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True, in_flight=True)
         verb = "consumed" if request.consumed else "released"
         self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
@@ -319,7 +360,8 @@ class ProducerSide:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
-            self._finish(pending, engine_pb2.FINISHED_SENDING)
+            kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
+            self._finish(pending, kind, reason=reason)
         return True
 
     # --- push ---------------------------------------------------------------------------------
@@ -345,6 +387,9 @@ class ProducerSide:
             node.dataplane.check(
                 local, engine.tp_size, view, (f"on producer {engine.engine_id}", f"on consumer {view.engine_id}")
             )
+            problem = view.block_ids_problem(blocks)
+            if problem:
+                raise InvalidArgument("block_ids", f"{problem} (engine {view.engine_id} of {address})")
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.
                 self._pushing.pop(registration.key, None)
@@ -394,10 +439,14 @@ class ProducerSide:
             await self._send_transfer_failed(address, request, error)
         else:
             node.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
-        kind = engine_pb2.FINISHED_SENDING
-        if error and pending.lease_ended:
-            kind = engine_pb2.LEASE_EXPIRED
-        self._finish(pending, kind, reason=error)
+        kind: int = engine_pb2.FINISHED_SENDING
+        reason = error
+        if pending.end is not None:
+            # The lease ended, or the consumer or engine let go, while the WRITEs ran: say that,
+            # with the WRITE's outcome, rather than call every early end an expiry.
+            kind, why = pending.end
+            reason = f"{why}; write failed: {error}" if error else why
+        self._finish(pending, kind, reason=reason)
 
     async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
         notice = peer_pb2.TransferFailedRequest(
@@ -420,11 +469,19 @@ class ProducerSide:
             pending = self.requests.get(key)
             if pending is None:
                 continue
+            what = "hold TTL" if pending.held else "lease"
             if pending.writing:
-                pending.lease_ended = True
+                self._end_after_writes(
+                    pending, engine_pb2.LEASE_EXPIRED, f"{what} of {pending.lease_seconds:g}s expired"
+                )
+                continue
+            if pending.closing is not None:
+                self._finish(pending, *pending.closing)
+                continue
+            if pending.held and pending.readable_until > time.monotonic():
+                self._finish_when_unread(pending, engine_pb2.LEASE_EXPIRED, f"{what} expired")
                 continue
             self._node.metrics.leases_expired.inc()
-            what = "hold TTL" if pending.held else "lease"
             log.warning(
                 "lease_expired",
                 engine_id=pending.engine_id,
@@ -443,9 +500,10 @@ class ProducerSide:
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
             if not pending.writing:
+                # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
             else:
-                pending.lease_ended = True
+                self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
         for registration in self.matcher.registrations():
             if registration.engine_id == engine_id:
                 self.matcher.remove_registration(registration.key)
@@ -455,6 +513,27 @@ class ProducerSide:
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):
             self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+
+    def _end_after_writes(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free a request being pushed once its WRITEs are terminal, with this event; the first
+        reason given wins."""
+        if pending.end is None:
+            pending.end = (kind, reason)
+
+    def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free now, or, if a consumer may still READ the blocks, once it notified or its READ
+        bound (``readable_until``) passed. See the module docstring."""
+        if pending.accepts_pull and pending.readable_until > time.monotonic():
+            pending.closing = (kind, reason)
+            self.leases.set(pending.key, pending.readable_until)
+            log.info(
+                "release_waits_for_reader",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                seconds=round(pending.readable_until - time.monotonic(), 3),
+            )
+            return
+        self._finish(pending, kind, reason=reason)
 
     def awaiting_consumers(self) -> int:
         """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""

@@ -199,9 +199,10 @@ def test_what_cannot_be_converted_is_refused_naming_both_sides(sidecars, engines
 
 @pytest.mark.parametrize("integrity", [True, False], ids=["digest", "off"])
 def test_integrity_check_names_the_block_that_does_not_match(sidecars, engines, integrity):
-    """D pulls with one wrong remote block id (stale kv_transfer_params: the bytes it reads are not
-    the request's). With integrity = digest the load fails naming D's block that holds them; without
-    it the load 'succeeds' with the wrong bytes. (Different block sizes and layouts, staged path.)"""
+    """D pulls with two of P's blocks named in the wrong order (broken kv_transfer_params: every
+    block is the request's, so the producer's ownership check passes, but tokens 64..95 land in the
+    wrong places). With integrity = digest the load fails naming D's block that holds the first bad
+    tokens; without it the load 'succeeds' with the wrong bytes. (Block size and layout differ.)"""
     producer, consumer, _, _ = _pair(
         sidecars, engines, {"kv_layout": "NHD"}, {"block_size": 32, "block_len": 32 * TOTAL_HEADS * CHUNK},
         integrity=integrity,
@@ -209,7 +210,7 @@ def test_integrity_check_names_the_block_that_does_not_match(sidecars, engines, 
     p_blocks, d_blocks = list(range(10, 20)), [7, 3, 12, 40, 41]
     assert producer.command("fill_tokens", blocks=list(range(BLOCKS)), num_tokens=BLOCKS * 16, seed=4)["ok"]
     assert producer.command("submit", request_id="stale", blocks=[p_blocks], num_tokens=TOKENS)["ok"]
-    told = [*p_blocks[:4], 50, *p_blocks[5:]]  # P's 5th block (tokens 64..79) named wrongly
+    told = [*p_blocks[:4], p_blocks[5], p_blocks[4], *p_blocks[6:]]  # P's own blocks, two swapped
     remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "stale", "blocks": [told]}
     remote["num_tokens"] = TOKENS
     assert consumer.command("pull", request_id="stale-d", blocks=[d_blocks], remote=remote)["ok"]
