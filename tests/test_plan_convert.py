@@ -5,6 +5,7 @@ applied by copying bytes, and the destination is read back with an independent o
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -249,3 +250,85 @@ def test_predicted_run_bytes_is_the_plans_typical_run(sizes, layouts, tps) -> No
     src_descs, _ = run_descriptors(source, dest, 0, 64)
     lengths, counts = np.unique(src_descs[:, 1], return_counts=True)
     assert predicted_run_bytes(*shapes) == int(lengths[np.argmax(counts)])
+
+
+# --- vLLM's CPU layout ("vec" ISA): K transposed inside each head --------------------------------
+
+HEAD_SIZE, ELEMENT = 2, 2  # CHUNK = 2 * HEAD_SIZE * ELEMENT = 8 bytes (K row, V row)
+
+
+def cpu_engine(memory: np.ndarray, offset: int, tp: int, block_size: int) -> Engine:
+    engine = Engine(memory, offset, tp, block_size, "CPU_VEC_LBHNC")
+    engine.workers = [replace(worker, head_size=HEAD_SIZE) for worker in engine.workers]
+    return engine
+
+
+def cpu_element(
+    engine: Engine, rank: int, layer: int, blocks: list[int], first: int, token: int, head: int, plane: int, dim: int
+) -> int:
+    """Independent of the module: where element ``dim`` of K (plane 0) or V (plane 1) lives."""
+    index, within = divmod(token - first, engine.block_size)
+    n = engine.block_size
+    head_base = (head - rank * engine.heads) * 2 * n * HEAD_SIZE * ELEMENT
+    inner = dim * n + within if plane == 0 else n * HEAD_SIZE + within * HEAD_SIZE + dim
+    block = engine.workers[rank].regions[layer].base + blocks[index] * engine.stride
+    return block + head_base + inner * ELEMENT
+
+
+def cpu_value(layer: int, token: int, head: int, plane: int, dim: int) -> np.ndarray:
+    return np.array([(layer * 4096 + token * 16 + head * 4 + plane * 2 + dim) & 0xFFFF], dtype=np.uint16).view(np.uint8)
+
+
+def cpu_cells(engine: Engine, tokens: range):
+    for rank, layer, token in itertools.product(range(engine.tp), range(LAYERS), tokens):
+        for head in range(rank * engine.heads, (rank + 1) * engine.heads):
+            for plane, dim in itertools.product(range(2), range(HEAD_SIZE)):
+                yield rank, layer, token, head, plane, dim
+
+
+@pytest.mark.parametrize("sizes", [(16, 8), (8, 32), (16, 16)], ids=str)
+@pytest.mark.parametrize("tps", [(1, 1), (1, 2), (2, 1)], ids=str)
+def test_cpu_vec_layout_converts_block_sizes_element_by_element(sizes, tps) -> None:
+    memory = np.full(1 << 20, POISON, dtype=np.uint8)
+    src = cpu_engine(memory, 0, tps[0], sizes[0])
+    dst = cpu_engine(memory, src.end, tps[1], sizes[1])
+    tokens, hit = 45, 1
+    src_blocks = [7, 2, 9, 0, 5, 11][: -(-tokens // sizes[0])]
+    dst_blocks = [4, 10, 1, 8, 6, 0, 3][: -(-tokens // sizes[1]) - hit]
+    for rank, layer, token, head, plane, dim in cpu_cells(src, range(tokens)):
+        at = cpu_element(src, rank, layer, src_blocks, 0, token, head, plane, dim)
+        memory[at : at + ELEMENT] = cpu_value(layer, token, head, plane, dim)
+    first, end = transfer_span(tokens, len(src_blocks), sizes[0], len(dst_blocks), sizes[1])
+    for rank in range(src.tp):
+        for pairing in pairings(src.tp, dst.tp, rank):
+            source = Side(src.workers[rank], src_blocks, 0)
+            dest = Side(dst.workers[pairing.target_rank], dst_blocks, first)
+            for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+                src_shape, dst_shape = block_shape(source.worker, src_region), block_shape(dest.worker, dst_region)
+                head_first, head_end = shared_heads(src_shape, dst_shape)
+                copy_tokens(
+                    source, memory[src_region.base :], src_region, dest, memory[dst_region.base :], dst_region,
+                    first, end, head_first, head_end - head_first,
+                )  # fmt: skip
+                if src_region.name == "layer0":
+                    values = logical_tokens(
+                        memory[src_region.base :], src_region, src_shape, BLOCKS, source, first, end
+                    )
+                    assert values.shape == (end - first, src_shape.heads, CHUNK)
+                    k_then_v = [cpu_value(0, first, src_shape.first_head, p, d) for p in range(2) for d in range(2)]
+                    assert (values[0, 0] == np.concatenate(k_then_v)).all()
+    for rank, layer, token, head, plane, dim in cpu_cells(dst, range(first, end)):
+        at = cpu_element(dst, rank, layer, dst_blocks, first, token, head, plane, dim)
+        assert (memory[at : at + ELEMENT] == cpu_value(layer, token, head, plane, dim)).all(), (token, head, plane, dim)
+
+
+def test_cpu_vec_blocks_move_whole_between_equal_shapes_only() -> None:
+    memory = np.zeros(1 << 20, dtype=np.uint8)
+    a, b = cpu_engine(memory, 0, 1, 16), cpu_engine(memory, 1 << 19, 1, 16)
+    src, dst = run_descriptors(Side(a.workers[0], [3, 5], 0), Side(b.workers[0], [1, 2], 0), 0, 20)
+    assert src[:, 1].tolist() == [a.block_len] * 2 * LAYERS and dst[:, 1].tolist() == src[:, 1].tolist()
+    c = cpu_engine(memory, 1 << 19, 1, 8)
+    with pytest.raises(PlanError, match="only whole"):
+        run_descriptors(Side(a.workers[0], [3, 5], 0), Side(c.workers[0], [1, 2, 4], 0), 0, 20)
+    with pytest.raises(PlanError, match="needs the head size"):
+        block_shape(replace(a.workers[0], head_size=0), a.workers[0].regions[0])
