@@ -353,7 +353,10 @@ class DataPlane:
         source, dest = (remote, local) if op == "READ" else (local, remote)
         shapes = [block_shape(side.worker, side.worker.regions[0]) for side in (source, dest)]
         if worker.mem_type == "DRAM" and predicted_run_bytes(*shapes) < self.staging_below_bytes:
-            return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
+            try:
+                return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
+            except (PlanError, ValueError, IndexError) as exc:  # a plan or a copy that does not fit
+                return TransferResult(False, f"conversion failed: {exc}")
         src, dst = run_descriptors(source, dest, span.first, span.end)
         if not len(src):
             return await self._notify_only(worker, other, payload)
