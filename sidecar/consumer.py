@@ -389,6 +389,8 @@ class ConsumerSide:
                 # blocks we name are the request's own. This call also reveals a restarted producer
                 # sidecar before its stale handshake is used. A keep-alive usually did it already.
                 await self._confirm_held(pending)
+                if self.requests.get(pending.key) is not pending:
+                    return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             expected = None
             for attempt in (1, 2):
                 view = await asyncio.wait_for(
