@@ -35,8 +35,9 @@ hetero: setup
 	$(PY) -m pytest -q -m hetero tests/test_hetero.py
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -54,4 +55,4 @@ bench-vllm: setup
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from engine_shim.memory import KvLayout
-from sidecar.dataplane import STAGING_BELOW_BYTES
-from sidecar.workload import TransferPair
+from sidecar.dataplane.plane import STAGING_BELOW_BYTES
+from sidecar.tools.workload import TransferPair
 
 LAYERS, HEADS, CHUNK, TOKENS = 8, 8, 512, 512
 REQUEST_BYTES = LAYERS * HEADS * CHUNK * TOKENS  # 16 MiB

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sidecar.integrity import DigestSpan, check_span, digests, first_mismatch, granule
-from sidecar.planning import RegionLayout, WorkerLayout
+from sidecar.dataplane.integrity import DigestSpan, check_span, digests, first_mismatch, granule
+from sidecar.dataplane.plan.layout import RegionLayout, WorkerLayout
 
 LAYERS, HEADS, CHUNK, BLOCKS, TOKENS = 2, 4, 8, 16, 45
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from sidecar.plan_convert import (
+from sidecar.dataplane.plan.convert import (
     Side,
     block_shape,
     copy_tokens,
@@ -20,7 +20,8 @@ from sidecar.plan_convert import (
     shared_heads,
     transfer_span,
 )
-from sidecar.planning import PlanError, RegionLayout, WorkerLayout, pairings
+from sidecar.dataplane.plan.layout import PlanError, RegionLayout, WorkerLayout
+from sidecar.dataplane.plan.tp import pairings
 
 CHUNK = 8  # bytes per (token, head): four uint16 (layer, token, head, marker)
 LAYERS = 2
