@@ -1,4 +1,4 @@
-"""Integrity digests (sidecar.integrity) over real memory: engines that differ in block size,
+"""Integrity digests (sidecar.dataplane.integrity) over real memory: engines that differ in block size,
 layout and TP size but hold the same logical KV digest equally; one changed byte changes exactly
 the digest of its granule; opaque layouts digest whole blocks, TP slices in rank order."""
 

@@ -9,7 +9,7 @@ Two paths:
 - *byte for byte* (same tokens per block and layout; head slices for different TP sizes): whole
   blocks through views NIXL prepared once (``planning``);
 - *converted* (block size, layout, or TP with a token-major layout differ): per (initiator,
-  target) worker pair, a token-level plan (``plan_convert``). Where its descriptor runs are long
+  target) worker pair, a token-level plan (``plan.convert``). Where its descriptor runs are long
   enough, NIXL moves them directly; where they are short (a layout change makes one descriptor per
   token and head) the initiator moves whole blocks between the peer and a registered staging
   buffer in the peer's layout and permutes locally with numpy, in a worker thread: READ into
