@@ -175,7 +175,8 @@ class Settings(BaseSettings):
     # Consumer-side check of moved KV: "digest" makes the consumer compare a digest of every
     # received block's logical content (token x head x bytes, whatever the layouts and block
     # sizes) with the producer's, and report LOAD_FAILED naming the first bad block on mismatch.
-    # Costs a hash of the request's bytes on both sides (bench/README.md). Set it on both sidecars.
+    # Costs a hash of the request's bytes on both sides (bench/README.md). The consumer's setting
+    # decides; requests with several KV cache groups (hybrid models) move unchecked.
     integrity: Literal["off", "digest"] = "off"
     # Converted transfers (different block size, layout, or TP with a token-major layout) whose
     # descriptor runs average fewer bytes than this go through a registered staging buffer and a

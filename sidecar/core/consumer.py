@@ -327,7 +327,7 @@ class ConsumerSide:
             self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
-            if self._ctx.settings.integrity == "digest":
+            if self._checks_integrity(pending):
                 self._ctx.tasks.spawn(self._finish_checked(pending, pending.digests), engines=[pending.engine_id])
             else:
                 self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
@@ -336,6 +336,10 @@ class ConsumerSide:
     # --- pull ---------------------------------------------------------------------------------
 
     # --- integrity ----------------------------------------------------------------------------
+
+    def _checks_integrity(self, pending: ConsumerRequest) -> bool:
+        """Digests cover one KV cache group; hybrid models' requests move unchecked."""
+        return self._ctx.settings.integrity == "digest" and len(pending.local_blocks) == 1
 
     async def _finish_checked(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> None:
         """FINISHED_RECEIVING if the local blocks match the producer's digests, else LOAD_FAILED
@@ -409,7 +413,7 @@ class ConsumerSide:
                 ctx.dataplane.check(
                     local, engine.tp_size, view, (f"on consumer {engine.engine_id}", f"on producer {view.engine_id}")
                 )
-                if ctx.settings.integrity == "digest":
+                if self._checks_integrity(pending):
                     # Before the READ: its notification lets the producer free the blocks.
                     expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
                 if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
@@ -535,7 +539,7 @@ class ConsumerSide:
                 compatibility_hash=engine.compatibility_hash,
                 timeout_seconds=timeout,
                 decode_generation=engine.generation,
-                want_digests=ctx.settings.integrity == "digest",
+                want_digests=self._checks_integrity(pending),
             ),
         )
         pending.registered = True
