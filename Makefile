@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast hetero lint run demo bench bench-vllm clean
+.PHONY: setup proto proto-check test test-fast hetero multihost lint run demo bench bench-multihost bench-scaling bench-vllm clean
 
 setup: $(STAMP)
 
@@ -24,15 +24,20 @@ $(STAMP): pyproject.toml
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
+# The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
 test: setup
-	$(PY) -m pytest -q -m "not hetero"
+	$(PY) -m pytest -q -m "not hetero and not multihost_full"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm and not hetero"
+	$(PY) -m pytest -q -m "not vllm and not hetero and not multihost_full"
 
 # The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
 hetero: setup
 	$(PY) -m pytest -q -m hetero tests/test_hetero.py
+
+# P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
+multihost: setup
+	$(PY) -m pytest -q -m multihost tests/multihost
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
@@ -47,6 +52,14 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/kvsidecar bench --json bench/out/bench.json --png bench/out/bench.png
+
+# Across hosts (network namespaces; needs root): kvsidecar vs raw NIXL between the same two hosts.
+bench-multihost: setup
+	$(PY) -m bench.multihost --json bench/out/multihost.json
+
+# What one sidecar pays per known peer, N = 1..8 peers on network-namespace hosts (docs/scaling.md).
+bench-scaling: setup
+	$(PY) -m bench.scaling --json bench/out/scaling.json
 
 # End to end with real CPU vLLM: kvsidecar vs vLLM's own NIXL connectors (bench/README.md). vLLM's
 # NixlConnector imports the `nixl` meta package (without its dependency list: it names CUDA torch).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -57,6 +58,10 @@ from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLa
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
+
+
+def _ignore(kind: str, detail: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,8 @@ class TransferJob:
     transfer_id: str
     timeout: float
     not_after: float | None = None
+    # Told of each post and each completion, as (kind, detail): the request's trace.
+    on_step: Callable[[str, str], None] = _ignore
     num_tokens: int = 0
     digests: peer_pb2.KvDigests | None = None
 
@@ -266,11 +273,7 @@ class DataPlane:
                         worker.layout, single_group(job.initiator_blocks, "the local engine"), span.initiator_first
                     )
                     remote = Side(other.layout, single_group(job.target_blocks, "the peer"), span.target_first)
-                    jobs.append(
-                        self._post_converted(
-                            job.op, worker, other, local, remote, span, payload, deadline, job.not_after
-                        )
-                    )
+                    jobs.append(self._traced_converted(job, worker, other, local, remote, span, payload, deadline))
                 else:
                     local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
                     jobs.append(self._post(job, worker, other, pairing, local_ids, payload, deadline))
@@ -351,6 +354,27 @@ class DataPlane:
             return Span(first, end, first, 0)
         first, end = transfer_span(num_tokens, len(local), mine.block_size, len(remote), theirs.block_size)
         return Span(first, end, 0, first)
+
+    async def _traced_converted(
+        self,
+        job: TransferJob,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+    ) -> TransferResult:
+        job.on_step(
+            "posted",
+            f"{job.op} {worker.agent_name} -> {other.agent.name} (converted, tokens {span.first}..{span.end - 1})",
+        )
+        result = await self._post_converted(
+            job.op, worker, other, local, remote, span, payload, deadline, job.not_after
+        )
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        return result
 
     async def _post_converted(
         self,
@@ -469,7 +493,10 @@ class DataPlane:
         deadline: float,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
-        return await self._transport.transfer(
+        job.on_step(
+            "posted", f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
+        )
+        result = await self._transport.transfer(
             TransferSpec(
                 agent_name=worker.agent_name,
                 op=job.op,
@@ -483,6 +510,8 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:
@@ -490,6 +519,15 @@ class DataPlane:
         except Exception as exc:
             return TransferResult(False, f"notification failed: {exc}")
         return TransferResult(True)
+
+
+def _describe(op: str, agent_name: str, result: TransferResult) -> str:
+    if not result.ok:
+        return f"{op} on {agent_name} failed: {result.error}"
+    return (
+        f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
+        f"post {result.post_s * 1000:.3f} ms, transfer {result.duration_s * 1000:.3f} ms"
+    )
 
 
 def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:

@@ -66,10 +66,12 @@ class EngineProcess:
         kv_layout: str = "LBHNC",
         head_size: int = 0,
         dtype: str = "",
+        wrapper: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.log_path = workdir / f"engine-{engine_id}.log"
         command = [
+            *(wrapper or []),  # e.g. ``ip netns exec NS``: an engine on another (namespaced) host
             sys.executable,
             "-m",
             "engine_shim.simulated",
