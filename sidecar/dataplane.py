@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, peer_pb2
@@ -29,12 +28,13 @@ from sidecar.planning import (
     unpaired_targets,
     view_descriptors,
 )
+from sidecar.trace import StepHook
 from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent, TransferResult
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
 
-def _ignore(kind: str, detail: str) -> None:
+def _ignore(kind: str, detail: str, measured: dict[str, float] | None = None) -> None:
     return None
 
 
@@ -171,7 +171,7 @@ class DataPlane:
         transfer_id: str,
         timeout: float,
         not_after: float | None = None,
-        on_step: Callable[[str, str], None] = _ignore,
+        on_step: StepHook = _ignore,
     ) -> TransferOutcome:
         """Move ``initiator_blocks`` <-> ``target_blocks`` (same lengths) with ``op`` and attach a
         notification for ``target_request_id`` to every transfer. Waits for all of them.
@@ -242,7 +242,7 @@ class DataPlane:
         initiator_tp: int,
         deadline: float,
         not_after: float | None,
-        on_step: Callable[[str, str], None],
+        on_step: StepHook,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, target_blocks)
         payload = self.notice(target, target_request_id, transfer_id, initiator_tp, pairing.target_rank)
@@ -259,7 +259,8 @@ class DataPlane:
             deadline,
             not_after,
         )
-        on_step("nixl_completion", _describe(op, worker.agent_name, result))
+        measured = {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
+        on_step("nixl_completion", _describe(op, worker.agent_name, result), measured)
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:

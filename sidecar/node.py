@@ -39,7 +39,8 @@ from sidecar.peers import PeerDirectory
 from sidecar.planning import RegionLayout, WorkerLayout
 from sidecar.producer import ProducerRequest, ProducerSide
 from sidecar.registry import Engine, Registry, Worker, worker_id
-from sidecar.trace import TraceRecorder, collect
+from sidecar.stages import mode_of, stage_durations
+from sidecar.trace import Timeline, TraceRecorder, collect
 from sidecar.transport import NixlTransport, TransferResult
 
 log = get_logger("kvsidecar.node")
@@ -67,7 +68,7 @@ class Node:
         self.cache = CacheIndex()
         self.peers = PeerDirectory(settings, self, self.sidecar_info, self._unload_peer_agents, self.metrics)
         self.dataplane = DataPlane(self.transport, self.sidecar_id)
-        self.trace = TraceRecorder(settings.trace_requests)
+        self.trace = TraceRecorder(settings.trace_requests, on_done=self._observe_stages)
         self.producer = ProducerSide(self)
         self.consumer = ConsumerSide(self)
         self.advertise_address = settings.advertise or settings.peer_listen
@@ -577,6 +578,14 @@ class Node:
                     request_id=notice.request_id,
                     hint="it may have expired or been released",
                 )
+
+    def _observe_stages(self, timeline: Timeline) -> None:
+        if timeline.side not in ("producer", "consumer"):
+            return
+        histogram = self.metrics.request_stage
+        mode = mode_of(timeline)
+        for stage, seconds in stage_durations(timeline).items():
+            histogram.labels(side=timeline.side, mode=mode, stage=stage).observe(seconds)
 
     def _on_xfer_done(self, op: str, result: TransferResult) -> None:
         # Runs on the transport thread; prometheus_client metrics are thread-safe.

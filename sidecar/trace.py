@@ -24,15 +24,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
 from sidecar.matching import base_request_id
 
 MAX_EVENTS = 64
+
 _MAX_LEARNED_ADDRESSES = 4096
 T = TypeVar("T")
+
+
+class StepHook(Protocol):
+    """What the data plane tells a request's trace: a step, and durations measured inside it."""
+
+    def __call__(self, kind: str, detail: str, measured: dict[str, float] | None = None) -> None: ...
 
 
 @dataclass
@@ -41,6 +48,8 @@ class _Event:
     unix_s: float
     monotonic: float
     detail: str
+    # Durations measured inside the step (NIXL's post and transfer times), by name, in seconds.
+    measured: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,6 +58,7 @@ class Timeline:
     engine_id: str
     request_id: str
     transfer_id: str = ""
+    mode: str = ""  # "pull" or "push" once known
     ids: set[str] = field(default_factory=set)
     peers: set[str] = field(default_factory=set)
     peer_sidecars: set[str] = field(default_factory=set)
@@ -62,8 +72,10 @@ class Timeline:
 
 
 class TraceRecorder:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_done: Callable[[Timeline], None] | None = None) -> None:
         self.capacity = capacity
+        # Told of each timeline once, when its terminal event is recorded (the stage histograms).
+        self._on_done = on_done
         self._timelines: OrderedDict[tuple[str, str, str], Timeline] = OrderedDict()
         # Sidecar id -> address, learned from calls that name their caller (Handshake, PushReg),
         # so a producer can ask the consumer that pulled from it, which it knows only by id.
@@ -88,10 +100,13 @@ class TraceRecorder:
         peer_sidecar: str = "",
         once: bool = False,
         done: bool = False,
+        mode: str = "",
+        measured: dict[str, float] | None = None,
     ) -> None:
         """Record ``kind`` for the request. ``ids``: other ids it is known by; ``peer`` /
         ``peer_sidecar``: a peer sidecar involved (by address / by id); ``once``: skip if the same
-        kind and detail is already recorded; ``done``: a terminal event."""
+        kind and detail is already recorded; ``done``: a terminal event; ``mode``: the transfer
+        mode once known; ``measured``: durations measured inside this step (seconds)."""
         if self.capacity <= 0:
             return
         key = (side, engine_id, request_id)
@@ -102,6 +117,8 @@ class TraceRecorder:
                 self._timelines.popitem(last=False)
         if transfer_id:
             timeline.transfer_id = transfer_id
+        if mode:
+            timeline.mode = mode
         timeline.ids.update(name for name in ids if name)
         if peer:
             timeline.peers.add(peer)
@@ -112,8 +129,11 @@ class TraceRecorder:
         if len(timeline.events) >= MAX_EVENTS and not done:
             timeline.dropped += 1
             return
-        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail))
-        timeline.done = timeline.done or done
+        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured or {})))
+        if done and not timeline.done:
+            timeline.done = True
+            if self._on_done is not None:
+                self._on_done(timeline)
 
     def ended(self, side: str, engine_id: str, request_id: str, kind: int, reason: str = "", moved: int = 0) -> None:
         """The terminal event the engine gets (FINISHED_* is "finished", anything else "failed")."""
@@ -122,9 +142,14 @@ class TraceRecorder:
         detail = f"{name}, {moved} bytes moved" + (f": {reason}" if reason else "")
         self.event(side, engine_id, request_id, "finished" if finished else "failed", detail, done=True)
 
-    def hook(self, side: str, engine_id: str, request_id: str) -> Callable[[str, str], None]:
-        """A ``(kind, detail)`` recorder for code that does not know the request (the data plane)."""
-        return lambda kind, detail: self.event(side, engine_id, request_id, kind, detail)
+    def hook(self, side: str, engine_id: str, request_id: str) -> StepHook:
+        """A ``(kind, detail, measured)`` recorder for code that does not know the request (the
+        data plane)."""
+
+        def step(kind: str, detail: str, measured: dict[str, float] | None = None) -> None:
+            self.event(side, engine_id, request_id, kind, detail, measured=measured)
+
+        return step
 
     async def timed(self, side: str, engine_id: str, request_id: str, kind: str, what: str, work: Awaitable[T]) -> T:
         """Await ``work`` and record ``kind`` with how long it took, or why it failed."""
