@@ -751,6 +751,7 @@ class _Connected:
 class _PendingReceive:
     blocks: list[int]
     started: float
+    issued: float  # time.monotonic() of the scheduler's Pull / ExpectPush call (same host clock)
 
 
 class _WorkerSide:
@@ -774,7 +775,10 @@ class _WorkerSide:
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks(vllm_config)
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
-        self._inbox: queue.SimpleQueue[engine_pb2.Event | _StreamClosed | _Connected] = queue.SimpleQueue()
+        # Events carry the time.monotonic() the watcher thread received them (the stage timings).
+        self._inbox: queue.SimpleQueue[tuple[engine_pb2.Event, float] | _StreamClosed | _Connected] = (
+            queue.SimpleQueue()
+        )
         self._allocation: _ShmKvAllocation | None = None
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
         self._watcher: EventWatcher | None = None
@@ -789,9 +793,9 @@ class _WorkerSide:
         self._supervisor: threading.Thread | None = None
         # Request state (vLLM worker thread only).
         self._receives: dict[str, _PendingReceive] = {}
-        self._sends: set[str] = set()
+        self._sends: dict[str, float] = {}  # request id -> time.monotonic() of its SubmitBlocks call
         self._early_recv: collections.OrderedDict[str, tuple[engine_pb2.Event, float]] = collections.OrderedDict()
-        self._early_send: dict[str, engine_pb2.Event] = {}
+        self._early_send: dict[str, tuple[engine_pb2.Event, float]] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -957,7 +961,7 @@ class _WorkerSide:
             self.tp_rank,
             self.pp_rank,
             on_closed=lambda reason: self._on_closed(generation, reason),
-            on_event=self._inbox.put,
+            on_event=self._event_arrived,
         )
         try:
             watcher.wait_connected(timeout)
@@ -975,6 +979,9 @@ class _WorkerSide:
             response.peer_address,
             response.registered_bytes,
         )
+
+    def _event_arrived(self, event: engine_pb2.Event) -> None:  # watcher thread
+        self._inbox.put((event, time.monotonic()))
 
     def _on_closed(self, generation: int, reason: str) -> None:  # watcher thread
         if self._stopping.is_set():
@@ -1016,17 +1023,17 @@ class _WorkerSide:
         # A request call made before this worker's event stream was last lost went to a sidecar
         # registration that no longer exists: no outcome will come for it.
         for request_id, (issued, blocks) in meta.recv_started.items():
-            self._receives[request_id] = _PendingReceive(blocks, now)
+            self._receives[request_id] = _PendingReceive(blocks, now, issued)
             early = self._early_recv.pop(request_id, None)
             if early is not None:
-                self._on_event(early[0])
+                self._on_event(*early)
             elif not self.connected or issued < self._last_loss:
                 self._fail_receive(request_id, "the sidecar's event stream was lost")
         for request_id, issued in meta.send_started.items():
-            self._sends.add(request_id)
+            self._sends[request_id] = issued
             sent = self._early_send.pop(request_id, None)
             if sent is not None:
-                self._on_event(sent)
+                self._on_event(*sent)
             elif not self.connected or issued < self._last_loss:
                 self._finish_send(request_id, "the sidecar's event stream was lost")
         for request_id, reason in meta.recv_failed.items():
@@ -1069,8 +1076,8 @@ class _WorkerSide:
                 item = inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, engine_pb2.Event):
-                self._on_event(item)
+            if isinstance(item, tuple):
+                self._on_event(*item)
             elif isinstance(item, _Connected):
                 self._active_generation = item.generation
                 self.connected = True
@@ -1079,29 +1086,39 @@ class _WorkerSide:
                 self.connected = False
                 self._stream_lost(item.reason)
 
-    def _on_event(self, event: engine_pb2.Event) -> None:
+    def _on_event(self, event: engine_pb2.Event, seen: float) -> None:
+        """Apply an event the watcher received at ``seen`` (time.monotonic())."""
         request_id = event.request_id
         kind = event.kind
         if kind in (engine_pb2.FINISHED_RECEIVING, engine_pb2.LOAD_FAILED):
-            if request_id not in self._receives:
-                self._early_recv[request_id] = (event, time.monotonic())
+            pending = self._receives.get(request_id)
+            if pending is None:
+                self._early_recv[request_id] = (event, seen)
                 if len(self._early_recv) > 10_000:
                     self._early_recv.popitem(last=False)
-            elif kind == engine_pb2.FINISHED_RECEIVING:
+                return
+            self._time_stages(pending.issued, seen)
+            if kind == engine_pb2.FINISHED_RECEIVING:
                 del self._receives[request_id]
                 self._done_recving.add(request_id)
                 self._record(request_id, event, "received")
             else:
                 self._fail_receive(request_id, event.reason, list(event.failed_block_ids), event)
         elif kind in (engine_pb2.FINISHED_SENDING, engine_pb2.LEASE_EXPIRED):
-            if request_id not in self._sends:
-                self._early_send[request_id] = event
+            issued = self._sends.pop(request_id, None)
+            if issued is None:
+                self._early_send[request_id] = (event, seen)
                 if len(self._early_send) > self.MAX_EARLY_SENDS:
                     self._early_send.pop(next(iter(self._early_send)))
-            else:
-                self._sends.discard(request_id)
-                self._done_sending.add(request_id)
-                self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
+                return
+            self._time_stages(issued, seen)
+            self._done_sending.add(request_id)
+            self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
+
+    def _time_stages(self, issued: float, seen: float) -> None:
+        """The engine's part of the request timeline: its call -> the event reached this worker,
+        and the event reached this worker -> the vLLM step that applies it (now)."""
+        self.stats.record_stages(seen - issued, time.monotonic() - seen)
 
     def _fail_receive(
         self,
@@ -1122,8 +1139,7 @@ class _WorkerSide:
         logger.warning("SidecarConnector: loading KV for %s failed (%s); vLLM recomputes it", request_id, reason)
 
     def _finish_send(self, request_id: str, reason: str) -> None:
-        if request_id in self._sends:
-            self._sends.discard(request_id)
+        if self._sends.pop(request_id, None) is not None:
             self._done_sending.add(request_id)
             self._record(request_id, None, "send_abandoned", reason)
 

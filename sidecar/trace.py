@@ -193,7 +193,9 @@ def to_proto(timeline: Timeline) -> common_pb2.RequestTimeline:
         side=timeline.side,
         done=timeline.done,
         events=[
-            common_pb2.TraceEvent(kind=e.kind, unix_s=e.unix_s, offset_s=e.monotonic - start, detail=e.detail)
+            common_pb2.TraceEvent(
+                kind=e.kind, unix_s=e.unix_s, offset_s=e.monotonic - start, detail=e.detail, measured_s=e.measured
+            )
             for e in timeline.events
         ],
         dropped_events=timeline.dropped,

@@ -14,6 +14,7 @@ from sidecar.stages import stage_durations
 from sidecar.trace import Timeline, _Event
 from tests.test_pull import pull_and_wait
 from tests.test_push import PUSH, expect
+from tests.test_trace import trace_over_socket
 
 
 def _free_port() -> int:
@@ -82,5 +83,9 @@ def test_pull_and_push_export_stage_histograms_per_side_and_mode(sidecars, engin
         assert (("count", side, mode, "nixl_transfer") in found) == ran_nixl, (side, mode)
         assert (("count", side, mode, "control") in found) == ran_nixl, (side, mode)
     assert d_found[("count", "consumer", "pull", "peer_hop")] == 1
+    # The Trace query carries NIXL's own times too (the benchmark's control path uses them).
+    (mine, *_) = trace_over_socket(d_side, request_id="staged-d").sidecars
+    completion = next(e for line in mine.requests for e in line.events if e.kind == "nixl_completion")
+    assert completion.measured_s["nixl_transfer"] > 0 and "nixl_post" in completion.measured_s
     assert d_found[("count", "consumer", "push", "wait_notification")] == 1
     assert p_found[("count", "producer", "push", "wait_match")] == 1
