@@ -34,6 +34,7 @@ Called on the event loop thread by the trace recorder's ``on_done``.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import defaultdict
 
 from sidecar.trace import Timeline
@@ -101,3 +102,31 @@ def stage_durations(timeline: Timeline) -> dict[str, float]:
 def mode_of(timeline: Timeline) -> str:
     """The timeline's transfer mode; a producer never matched with a PushReg was pulled from."""
     return timeline.mode if timeline.mode in ("pull", "push") else "pull"
+
+
+_STAGE_SAMPLE = re.compile(r"^kvsidecar_request_stage_seconds_(sum|count)\{(.*)\}$")
+_ENGINE_SAMPLE = re.compile(r"^vllm:kvsidecar_(call_to_event|event_to_step)_seconds_(sum|count)(\{.*\})?$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per request of each stage between two scrapes of /metrics
+    (``{'name{labels}': value}``): ``"<side>/<mode>/<stage>"`` from a sidecar's
+    ``kvsidecar_request_stage_seconds``, ``"engine/call_to_event"`` / ``"engine/event_to_step"``
+    from vLLM's ``vllm:kvsidecar_*`` (summed over label sets). Stages with no request are left out."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, float] = defaultdict(float)
+    for key, value in after.items():
+        delta = value - before.get(key, 0.0)
+        match = _STAGE_SAMPLE.match(key)
+        if match:
+            labels = dict(_LABEL.findall(match.group(2)))
+            name = f"{labels.get('side')}/{labels.get('mode')}/{labels.get('stage')}"
+            suffix = match.group(1)
+        else:
+            engine = _ENGINE_SAMPLE.match(key)
+            if not engine:
+                continue
+            name, suffix = f"engine/{engine.group(1)}", engine.group(2)
+        (sums if suffix == "sum" else counts)[name] += delta
+    return {name: round(sums[name] / count * 1000.0, 4) for name, count in sorted(counts.items()) if count > 0}

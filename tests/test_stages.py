@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from sidecar.stages import stage_durations
+from sidecar.stages import stage_durations, stage_means
 from sidecar.trace import Timeline, _Event
 from tests.test_pull import pull_and_wait
 from tests.test_push import PUSH, expect
@@ -89,3 +89,18 @@ def test_pull_and_push_export_stage_histograms_per_side_and_mode(sidecars, engin
     assert completion.measured_s["nixl_transfer"] > 0 and "nixl_post" in completion.measured_s
     assert d_found[("count", "consumer", "push", "wait_notification")] == 1
     assert p_found[("count", "producer", "push", "wait_match")] == 1
+
+
+def test_stage_means_between_two_scrapes() -> None:
+    before = {
+        'kvsidecar_request_stage_seconds_sum{side="consumer",mode="pull",stage="peer_hop"}': 1.0,
+        'kvsidecar_request_stage_seconds_count{side="consumer",mode="pull",stage="peer_hop"}': 10.0,
+    }
+    after = {
+        'kvsidecar_request_stage_seconds_sum{side="consumer",mode="pull",stage="peer_hop"}': 1.004,
+        'kvsidecar_request_stage_seconds_count{side="consumer",mode="pull",stage="peer_hop"}': 12.0,
+        'kvsidecar_request_stage_seconds_count{side="consumer",mode="pull",stage="handshake"}': 0.0,
+        'vllm:kvsidecar_event_to_step_seconds_sum{engine="0",model_name="m"}': 0.003,
+        'vllm:kvsidecar_event_to_step_seconds_count{engine="0",model_name="m"}': 2.0,
+    }
+    assert stage_means(before, after) == {"consumer/pull/peer_hop": 2.0, "engine/event_to_step": 1.5}
