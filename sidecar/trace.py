@@ -204,6 +204,14 @@ def to_proto(timeline: Timeline) -> common_pb2.RequestTimeline:
     )
 
 
+def from_proto(line: common_pb2.RequestTimeline) -> Timeline:
+    """A timeline as a Trace query returned it (offsets on one monotonic axis), e.g. to derive its
+    stages elsewhere (sidecar.stages)."""
+    timeline = Timeline(line.side, line.engine_id, line.request_id, line.transfer_id, done=line.done)
+    timeline.events = [_Event(e.kind, e.unix_s, e.offset_s, e.detail, dict(e.measured_s)) for e in line.events]
+    return timeline
+
+
 PeerCall = Callable[[str, common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]
 
 
