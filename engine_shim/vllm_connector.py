@@ -166,6 +166,9 @@ class ShimConfig:
     pull_timeout: float = 0.0  # bound on one Pull (handshake + READs), enforced by the sidecar
     push_timeout: float = 0.0  # ExpectPush watchdog, enforced by the sidecar
     recv_watchdog: float = 900.0  # last-resort bound on a receive with no terminal event
+    # In a step that computes nothing while transfers are outstanding, the worker waits up to this
+    # long for their next event instead of returning at once (0 = never wait); see get_transfer_results.
+    idle_wait: float = 0.002
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)
 
@@ -211,6 +214,9 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
     send_started: dict[str, float] = field(default_factory=dict)
     # Producer: submissions that failed -> reason; their blocks can be freed at once.
     send_abandoned: dict[str, str] = field(default_factory=dict)
+    # This step computes nothing (vLLM scheduled no token: every request waits, e.g. for its KV),
+    # so the worker may wait briefly for an event instead of spinning the engine loop.
+    idle: bool = False
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -655,7 +661,7 @@ class _SchedulerSide:
             for request in self._arrived.values():
                 self._keep_alive(request)
             self._arrived = {}
-        meta = SidecarConnectorMetadata()
+        meta = SidecarConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         if self._new_receives:
             meta.recv_started, self._new_receives = self._new_receives, {}
         if self._new_sends:
@@ -802,6 +808,7 @@ class _WorkerSide:
         self._invalid_blocks: set[int] = set()
         self._step_invalid: set[int] = set()
         self._next_housekeeping = 0.0
+        self._step_idle = False  # this step computes nothing (SidecarConnectorMetadata.idle)
         self._last_loss = 0.0  # time.monotonic() of the last lost event stream
         # This interval's outcomes for vLLM's stat loggers (see engine_shim.vllm_stats).
         self.stats = vllm_stats.SidecarKVConnectorStats()
@@ -1017,6 +1024,7 @@ class _WorkerSide:
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         if not isinstance(meta, SidecarConnectorMetadata):
             return
+        self._step_idle = meta.idle
         if meta.recv_started or meta.send_started:
             self._drain()  # so that an already-arrived event resolves the request right away
         now = time.monotonic()
@@ -1048,6 +1056,9 @@ class _WorkerSide:
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._drain()
+        if self._step_idle:
+            self._step_idle = False
+            self._wait_for_event()
         if self._receives or self._early_recv:
             now = time.monotonic()
             if now >= self._next_housekeeping:
@@ -1069,6 +1080,23 @@ class _WorkerSide:
         invalid, self._step_invalid = self._step_invalid, set()
         return invalid
 
+    def _wait_for_event(self) -> None:
+        """In a step that computes nothing, with transfers outstanding and no outcome to report yet:
+        block on the inbox for up to ``idle_wait`` instead of returning to vLLM's engine loop, which
+        would step again after 1 ms and spin a core meanwhile. Frees the core for the sidecar on a
+        small box and applies the event in this step instead of the next. Bounded, so a new request
+        arriving at the engine waits at most ``idle_wait`` more."""
+        if self.config.idle_wait <= 0 or not (self._receives or self._sends):
+            return
+        if self._done_recving or self._done_sending or self._failed_recving:
+            return
+        try:
+            item = self._inbox.get(timeout=self.config.idle_wait)
+        except queue.Empty:
+            return
+        self._apply(item)
+        self._drain()
+
     def _drain(self) -> None:
         inbox = self._inbox
         while True:
@@ -1076,15 +1104,18 @@ class _WorkerSide:
                 item = inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, tuple):
-                self._on_event(*item)
-            elif isinstance(item, _Connected):
-                self._active_generation = item.generation
-                self.connected = True
-                self.sidecar_id = item.sidecar_id
-            elif item.generation == self._active_generation:
-                self.connected = False
-                self._stream_lost(item.reason)
+            self._apply(item)
+
+    def _apply(self, item: tuple[engine_pb2.Event, float] | _StreamClosed | _Connected) -> None:
+        if isinstance(item, tuple):
+            self._on_event(*item)
+        elif isinstance(item, _Connected):
+            self._active_generation = item.generation
+            self.connected = True
+            self.sidecar_id = item.sidecar_id
+        elif item.generation == self._active_generation:
+            self.connected = False
+            self._stream_lost(item.reason)
 
     def _on_event(self, event: engine_pb2.Event, seen: float) -> None:
         """Apply an event the watcher received at ``seen`` (time.monotonic())."""
