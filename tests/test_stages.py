@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from sidecar.stages import stage_durations, stage_means
-from sidecar.trace import Timeline, _Event
+from sidecar.core.stages import stage_durations, stage_means
+from sidecar.core.trace import Timeline, _Event
 from tests.test_pull import pull_and_wait
 from tests.test_push import PUSH, expect
 from tests.test_trace import trace_over_socket

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
-from sidecar.trace import MAX_EVENTS, TraceRecorder
+from sidecar.core.trace import MAX_EVENTS, TraceRecorder
 from tests.support.processes import SidecarProcess
 from tests.test_pull import pull_and_wait
 from tests.test_push import PUSH, engine_pair, expect

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine_shim.vllm_stats import SidecarKVConnectorStats, build
+from engine_shim.vllm.stats import SidecarKVConnectorStats, build
 from kvsidecar.v1 import engine_pb2
 
 
@@ -46,7 +46,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm.engine.arg_utils import EngineArgs
 
     from bench.shim_step import kv_cache_config
-    from engine_shim.vllm_connector import SidecarConnector, _Connected
+    from engine_shim.vllm.connector import SidecarConnector
+    from engine_shim.vllm.worker import _Connected
     from tests.support.tiny_models import build_tiny_llama
 
     workdir = tmp_path_factory.mktemp("idle")
@@ -72,7 +73,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def _step(connector: Any, idle: bool, **meta: Any) -> tuple[set[str], float]:
-    from engine_shim.vllm_connector import SidecarConnectorMetadata
+    from engine_shim.vllm.metadata import SidecarConnectorMetadata
 
     connector.bind_connector_metadata(SidecarConnectorMetadata(idle=idle, **meta))
     connector.start_load_kv(None)
