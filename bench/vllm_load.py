@@ -74,6 +74,7 @@ _BENCH_SERVE = (
     "from vllm.benchmarks.serve import add_cli_args, main; "
     "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
 )
+SERVED_MODEL = "tiny"  # the servers' --served-model-name (tests.support.vllm_engine.VllmServer)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
 PROXY = REPO / "examples" / "pd_proxy.py"
 
@@ -149,7 +150,7 @@ class LoadBench:
 
             async def one(url: str, index: int) -> None:
                 body = {
-                    "model": str(self.model),
+                    "model": SERVED_MODEL,
                     "prompt": prompt_words(16, 90_000 + index),
                     "max_tokens": self.args.fragment_tokens,
                     "ignore_eos": True,
@@ -166,7 +167,8 @@ class LoadBench:
         prefix-cache hit of an earlier run's."""
         argv = [
             sys.executable, "-c", _BENCH_SERVE, "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", str(self.model), "--tokenizer", str(self.model), "--dataset-name", "random",
+            "--model", str(self.model), "--served-model-name", SERVED_MODEL, "--tokenizer", str(self.model),
+            "--dataset-name", "random",
             "--random-input-len", str(input_len), "--random-output-len", str(self.args.output_len),
             "--ignore-eos", "--num-prompts", str(num_prompts),
             "--request-rate", rate, "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
@@ -279,7 +281,9 @@ class LoadBench:
                 proxy, url = self._proxy(setup)
                 # First contact (handshakes, first touch) through the proxy, not measured.
                 warm = self.load(url, 256, "inf", self.workdir / f"warm-{config.key}-{layout}.json", 2, 0)
-                await asyncio.to_thread(warm.wait, self.args.run_timeout)
+                if await asyncio.to_thread(warm.wait, self.args.run_timeout) != 0:
+                    tail = warm.log.read_text(errors="replace")[-1500:]
+                    raise RuntimeError(f"the warm-up run of vllm bench serve failed: {tail}")
                 if layout == "fragmented":
                     await self.fragment(setup)
                 await self.measure(setup, proxy, url, layout)
