@@ -3,7 +3,12 @@ rank, in vLLM's worker process).
 
 It owns the rank's KV cache export (``engine_shim.vllm.kv_memory``), its registration with the
 sidecar (``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
-(``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue.
+(``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
+that in a step where vLLM scheduled no token while transfers are outstanding,
+``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
+otherwise spin; the event is then applied in that step). Each request's call -> event seen ->
+step applied times go to the stats (``vllm:kvsidecar_call_to_event_seconds`` and
+``_event_to_step_seconds``).
 
 Threads: vLLM's worker thread calls every method and owns all request state. One ``EventWatcher``
 thread per registration puts events on ``_inbox``; a supervisor thread re-registers after the
