@@ -328,7 +328,7 @@ def plot(rows: list[dict[str, Any]], png: Path) -> None:
         for axis in (axes[0][column], axes[1][column]):
             axis.set_yscale("log")
             axis.legend(fontsize=7)
-    figure.suptitle("P/D under load (vllm bench serve through a proxy), one invocation")
+    figure.suptitle("P/D under load: vllm bench serve via a proxy", fontsize=10)
     figure.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(png, dpi=110)
