@@ -13,7 +13,7 @@ restricted to TCP on their interface) and re-runs this module inside ``p0``. The
 
 Each scenario: a warm-up, then ``--runs`` runs; GB/s is the median over runs, latency percentiles
 over all requests, the ratio is against raw NIXL measured in the same invocation, and the last run
-of each row is verified byte for byte (`sidecar/bench.py` does the measuring).
+of each row is verified byte for byte (`sidecar/tools/bench.py` does the measuring).
 """
 
 from __future__ import annotations

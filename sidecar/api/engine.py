@@ -74,7 +74,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Trace(
         self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TraceResponse:
-        return await self._node.trace_request(request)
+        return await self._node.tracing.query(request)
 
     async def GetStatus(
         self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -9,7 +9,8 @@ The parts own the calls (the servicers call them directly, see ``api``):
 - ``producer`` (``core.producer``): SubmitBlocks, HoldBlocks; PushReg, Heartbeat, peer Release;
 - ``consumer`` (``core.consumer``): Pull, ExpectPush, KeepAlive; TransferFailed;
 - ``holds`` (``core.holds``): QueryCache both ways;
-- ``handshakes`` (``core.handshake``): Handshake.
+- ``handshakes`` (``core.handshake``): Handshake;
+- ``tracing`` (``core.trace``): Trace both ways (the recorder itself is ``context.trace``).
 The node itself keeps what spans parts: the lifecycle (start, drain, stop), Release (both sides
 of a request), GetStatus, and the routing of transport notifications to the side that expects
 them. ``routes`` is PeerService's routing table.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from kvsidecar.v1 import engine_pb2, peer_pb2
 from sidecar.config import Settings
 from sidecar.core import validation
 from sidecar.core.consumer import ConsumerSide
@@ -39,7 +40,7 @@ from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
 from sidecar.core.stages import mode_of, stage_durations
-from sidecar.core.trace import Timeline, TraceRecorder, collect
+from sidecar.core.trace import Timeline, TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
 from sidecar.dataplane.memory import MemoryImporter
 from sidecar.dataplane.plane import DataPlane
@@ -68,7 +69,6 @@ class Node:
         self.tasks = Tasks(settings)
         self.peers = PeerClient(settings, self.identity.info, self._unload_peer_agents, self.metrics)
         self.events = WorkerEvents(settings, self.registry, self.metrics, self.identity.sidecar_id)
-        self.trace = TraceRecorder(settings.trace_requests, on_done=self._observe_stages)
         self.context = NodeContext(
             settings=settings,
             identity=self.identity,
@@ -79,7 +79,7 @@ class Node:
             metrics=self.metrics,
             events=self.events,
             tasks=self.tasks,
-            trace=self.trace,
+            trace=TraceRecorder(settings.trace_requests, on_done=self._observe_stages),
         )
         self.registrations = Registrations(
             self.context, MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
@@ -88,6 +88,7 @@ class Node:
         self.holds = Holds(self.context)
         self.producer = ProducerSide(self.context, self.holds)
         self.consumer = ConsumerSide(self.context)
+        self.tracing = Tracing(self.context.trace, self.identity.info, self.peers)
         # Wiring between parts, here so that no part knows another's owner.
         self.holds.lease_deadline = self.producer.leases.deadline
         self.registrations.drop_engine = self._drop_engine
@@ -99,7 +100,7 @@ class Node:
             query_cache=self.holds.handle_query_cache,
             transfer_failed=self.consumer.handle_transfer_failed,
             release=self.producer.handle_release,
-            trace=self.trace_request,
+            trace=self.tracing.query,
             local_engine_view=self.handshakes.local_engine_view,
         )
         self.peers.bind_local(self.routes)
@@ -200,17 +201,6 @@ class Node:
                     request_id=notice.request_id,
                     hint="it may have expired or been released",
                 )
-
-    async def trace_request(self, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
-        """EngineService.Trace and PeerService.Trace: this sidecar's part and its peers'."""
-        return await collect(
-            self.trace,
-            request,
-            self.identity.info(),
-            self.peers.trace,
-            self.peers.is_self,
-            self.peers.clock_offset_ms,
-        )
 
     def _observe_stages(self, timeline: Timeline) -> None:
         if timeline.side not in ("producer", "consumer"):

@@ -389,15 +389,11 @@ class ProducerSide:
         request, blocks = registration.order
         self._registration_deadlines.cancel(registration.key)
         pending.writing = True
-        self._ctx.trace.event(
-            "push_registration",
-            pending.engine_id,
-            request.request_id,
-            "matched",
-            f"with {pending.request_id}",
-            done=True,
+        trace = self._ctx.trace
+        trace.event(
+            "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
         )
-        self._ctx.trace.event(
+        trace.event(
             "producer",
             pending.engine_id,
             pending.request_id,

@@ -9,9 +9,10 @@ in one line each. A timeline remembers every id the request is known by (the pee
 id, the consumer's request id, the transfer id) and the peer sidecars it involved, so a query by
 any of them finds it and knows whom to ask.
 
-``collect`` answers EngineService.Trace and PeerService.Trace: this sidecar's timelines, then the
-peers' parts, asked concurrently with ``local_only`` (one hop) and every known id. A peer that
-cannot answer becomes a part with the reason, never a failed query.
+``Tracing.query`` (``collect``) answers EngineService.Trace and PeerService.Trace: this sidecar's
+timelines, then the peers' parts, asked concurrently with ``local_only`` (one hop) and every known
+id. A peer that cannot answer becomes a part with the reason, never a failed query. The recorder
+travels in the ``NodeContext`` (``ctx.trace``); the node owns the ``Tracing`` part.
 
 Runs on the event loop thread (every hook is called there); nothing here does I/O except
 ``collect``'s peer calls.
@@ -30,6 +31,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.core.matching import base_request_id
 from sidecar.dataplane.plane import StepHook
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
+from sidecar.peers.client import PeerClient
 
 MAX_EVENTS = 64
 
@@ -249,3 +251,24 @@ async def collect(
     for parts in await asyncio.gather(*(part(peer) for peer in peers)):
         response.sidecars.extend(parts)
     return response
+
+
+class Tracing:
+    """The Trace RPC of both services: this sidecar's part of a request and its peers' parts."""
+
+    def __init__(
+        self, recorder: TraceRecorder, self_info: Callable[[], common_pb2.SidecarInfo], peers: PeerClient
+    ) -> None:
+        self._recorder = recorder
+        self._self_info = self_info
+        self._peers = peers
+
+    async def query(self, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
+        return await collect(
+            self._recorder,
+            request,
+            self._self_info(),
+            self._peers.trace,
+            self._peers.is_self,
+            self._peers.clock_offset_ms,
+        )

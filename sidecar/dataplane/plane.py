@@ -237,8 +237,9 @@ class DataPlane:
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
         payload = self.notice(job.target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank)
-        posted = f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
-        job.on_step("posted", posted)
+        job.on_step(
+            "posted", f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
+        )
         result = await self._transport.transfer(
             TransferSpec(
                 agent_name=worker.agent_name,

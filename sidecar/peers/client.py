@@ -242,6 +242,11 @@ class PeerClient:
         response = await self._call(address, request, lambda r: r.trace, lambda s: s.Trace)
         return cast(common_pb2.TraceResponse, response)
 
+    def clock_offset_ms(self, address: str) -> float:
+        """The peer's clock minus ours as estimated at its handshake (0 when never handshaken)."""
+        state = self._peers.get(self._key(address))
+        return state.clock_offset_ms if state is not None else 0.0
+
     async def _call(
         self,
         address: str,
@@ -350,11 +355,6 @@ class PeerClient:
                 )
             )
         return rows
-
-    def clock_offset_ms(self, address: str) -> float:
-        """The peer's clock minus ours as estimated at its handshake (0 when never handshaken)."""
-        state = self._peers.get(self._key(address))
-        return state.clock_offset_ms if state is not None else 0.0
 
     def failures(self, address: str) -> int:
         return self._failures.get(self._key(address), 0)

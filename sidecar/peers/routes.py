@@ -1,8 +1,8 @@
 """The one routing table of PeerService: which object of the node answers each peer call.
 
 The node fills it with the owners' bound methods (handshake -> ``core.handshake``, PushReg,
-Heartbeat, QueryCache and Release -> the producer, TransferFailed -> the consumer); the
-PeerService servicer (``api.peer``) and the peer client's same-node short cut
+Heartbeat, QueryCache and Release -> the producer, TransferFailed -> the consumer, Trace ->
+``core.trace``); the PeerService servicer (``api.peer``) and the peer client's same-node short cut
 (``peers.client``) both call through it, so a call to this sidecar's own address never leaves the
 process and is answered by the same code as one from the network.
 """

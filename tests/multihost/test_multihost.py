@@ -191,6 +191,11 @@ def test_link_down_mid_transfer_fails_within_the_stated_bound_and_recovers(clust
     assert sorted(events[0]["failed_block_ids"]) == d_blocks
     # Slack for a busy 2-core machine; the point is that the bound holds, not speed.
     assert waited < bound + 4, f"detected after {waited:.1f}s; the bound is {bound:.1f}s"
+    # The trace on D says why, and that P's part cannot be had while its link is down.
+    mine, theirs = trace(net.sidecars["d0"], "cut-d").sidecars
+    assert mine.requests[0].events[-1].kind == "failed", mine
+    assert expected in mine.requests[0].events[-1].detail, mine
+    assert theirs.error and not theirs.requests and theirs.sidecar.address == producer.peer_address, theirs
     assert producer.wait_event("cut", lease_s + timeout_s + 10)[0]["event"] != "", producer.events_for("cut")
     for sidecar in net.sidecars.values():
         assert sidecar.process is not None and sidecar.process.poll() is None, sidecar.log_tail()
