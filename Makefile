@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast hetero multihost lint run demo bench bench-multihost bench-scaling bench-vllm clean
+.PHONY: setup proto proto-check test test-fast hetero multihost lint run demo bench bench-multihost bench-scaling bench-vllm bench-load clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ bench-scaling: setup
 bench-vllm: setup
 	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
+
+# Under load: `vllm bench serve` through examples/pd_proxy.py at several rates, ~1k/~4k-token
+# prompts, contiguous and fragmented KV; kvsidecar pull/push vs vLLM's NIXL connectors (bench/README.md).
+bench-load: setup
+	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
+	$(PY) -m bench.vllm_load --json bench/out/vllm_load.json --png bench/out/vllm_load.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -111,16 +111,25 @@ class TraceRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., local_only: _Optional[bool] = ..., also_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TraceEvent(_message.Message):
-    __slots__ = ("kind", "unix_s", "offset_s", "detail")
+    __slots__ = ("kind", "unix_s", "offset_s", "detail", "measured_s")
+    class MeasuredSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     UNIX_S_FIELD_NUMBER: _ClassVar[int]
     OFFSET_S_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_S_FIELD_NUMBER: _ClassVar[int]
     kind: str
     unix_s: float
     offset_s: float
     detail: str
-    def __init__(self, kind: _Optional[str] = ..., unix_s: _Optional[float] = ..., offset_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+    measured_s: _containers.ScalarMap[str, float]
+    def __init__(self, kind: _Optional[str] = ..., unix_s: _Optional[float] = ..., offset_s: _Optional[float] = ..., detail: _Optional[str] = ..., measured_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RequestTimeline(_message.Message):
     __slots__ = ("engine_id", "request_id", "transfer_id", "side", "done", "events", "dropped_events", "peers", "other_ids")

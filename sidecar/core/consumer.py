@@ -869,6 +869,7 @@ class ConsumerSide:
             transfer_id=pending.transfer_id,
             ids=(request.remote.request_id,),
             peer=request.remote.address,
+            mode="push" if pending.is_push else "pull",
         )
         if pending.is_push:
             self._ctx.transport.expect_notifications(1)

@@ -148,6 +148,7 @@ class ProducerSide:
             "admitted",
             f"SubmitBlocks: {_count(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, lease {lease:g}s",
             transfer_id=pending.transfer_id,
+            mode="pull" if request.mode == common_pb2.TRANSFER_MODE_PULL else "",
         )
         matched = False
         if pending.accepts_push:
@@ -437,6 +438,7 @@ class ProducerSide:
             "matched",
             f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
             f"{_count(blocks)} blocks",
+            mode="push",
             ids=(request.request_id, request.transfer_id),
             peer=request.caller.address,
         )

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
@@ -60,7 +60,13 @@ from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
 
-def _ignore(kind: str, detail: str) -> None:
+class StepHook(Protocol):
+    """What the data plane tells a request's trace: a step, and durations measured inside it."""
+
+    def __call__(self, kind: str, detail: str, measured: dict[str, float] | None = None) -> None: ...
+
+
+def _ignore(kind: str, detail: str, measured: dict[str, float] | None = None) -> None:
     return None
 
 
@@ -204,8 +210,8 @@ class TransferJob:
     transfer_id: str
     timeout: float
     not_after: float | None = None
-    # Told of each post and each completion, as (kind, detail): the request's trace.
-    on_step: Callable[[str, str], None] = _ignore
+    # Told of each post and each completion, with NIXL's own times (the request's trace).
+    on_step: StepHook = field(default=_ignore)
     num_tokens: int = 0
     digests: peer_pb2.KvDigests | None = None
 
@@ -510,7 +516,8 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        measured = {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), measured)
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:

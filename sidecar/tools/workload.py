@@ -9,6 +9,7 @@ FINISHED_RECEIVING event. Calls are thread-safe; the engines' event threads comp
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import shutil
@@ -19,12 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import grpc
 import numpy as np
 
 from engine_shim.client import remote
 from engine_shim.memory import KvLayout
 from engine_shim.simulated import SimulatedEngine
 from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.core.trace import Timeline, from_proto
 from sidecar.tools.launcher import DaemonProcess
 
 POISON = 0xA5
@@ -60,6 +63,9 @@ class TransferPair:
         self._waiters: dict[tuple[str, str], concurrent.futures.Future[engine_pb2.Event]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        # (request id, seconds from SubmitBlocks to FINISHED_RECEIVING) of recent successes, for
+        # benchmarks that look a request up afterwards (``trace``).
+        self.completed: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
 
     def __enter__(self) -> TransferPair:
         try:
@@ -133,7 +139,21 @@ class TransferPair:
                 self._waiters.pop(("P", request_id), None)
         if event.kind != engine_pb2.FINISHED_RECEIVING:
             raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
+        self.completed.append((request_id, latency))
         return latency
+
+    def trace(self, request_id: str) -> list[Timeline]:
+        """The request's timelines on both sidecars (Trace from the consumer's sidecar); [] when it
+        is no longer kept (``trace_requests``)."""
+        assert self.consumer is not None
+        try:
+            query = common_pb2.TraceRequest(request_id=request_id + "-d")
+            response = self.consumer.client.stub.Trace(query, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return []
+            raise
+        return [from_proto(line) for part in response.sidecars for line in part.requests]
 
     def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
         """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING.
