@@ -379,7 +379,7 @@ class DataPlane:
         result = await self._post_converted(
             job.op, worker, other, local, remote, span, payload, deadline, job.not_after
         )
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result))
         return result
 
     async def _post_converted(
@@ -516,8 +516,7 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
-        measured = {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), measured)
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result))
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
@@ -592,3 +591,8 @@ def _permute(source: Side, dest: Side, span: Span, head_first: int, heads: int) 
 
 def _memory(worker: WorkerLayout, region: RegionLayout) -> np.ndarray:
     return region_bytes(region.base, region.block_len, region.block_stride, worker.num_blocks)
+
+
+def _measured(result: TransferResult) -> dict[str, float] | None:
+    """NIXL's own post and transfer times of a completed transfer, for the request's stages."""
+    return {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
