@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm clean
+.PHONY: setup proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,14 @@ proto: setup
 
 # The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
 test: setup
-	$(PY) -m pytest -q -m "not multihost_full"
+	$(PY) -m pytest -q -m "not hetero and not multihost_full"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm and not multihost_full"
+	$(PY) -m pytest -q -m "not vllm and not hetero and not multihost_full"
+
+# The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
+hetero: setup
+	$(PY) -m pytest -q -m hetero tests/test_hetero.py
 
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup
@@ -75,6 +79,12 @@ bench-scaling: setup
 bench-vllm: setup
 	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
+
+# Under load: `vllm bench serve` through examples/pd_proxy.py at several rates, ~1k/~4k-token
+# prompts, contiguous and fragmented KV; kvsidecar pull/push vs vLLM's NIXL connectors (bench/README.md).
+bench-load: setup
+	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
+	$(PY) -m bench.vllm_load --json bench/out/vllm_load.json --png bench/out/vllm_load.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

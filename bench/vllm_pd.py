@@ -73,6 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from sidecar.core.stages import stage_means  # noqa: E402
 from sidecar.tools.launcher import DaemonProcess  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
 from tests.support.vllm_engine import (  # noqa: E402
@@ -419,6 +420,9 @@ class SizeResult:
     request_transfer_ms: float | None = None
     transfer_source: str = ""
     cpu_seconds_per_request: dict[str, float] = field(default_factory=dict)
+    # kvsidecar only: mean ms per request of each stage (sidecar.stages.stage_means: the sidecars'
+    # kvsidecar_request_stage_seconds and the engines' vllm:kvsidecar_call_to_event/event_to_step).
+    stages_ms: dict[str, float] = field(default_factory=dict)
     error: str = ""  # the configuration failed before this size was measured
 
 
@@ -637,7 +641,11 @@ class Bench:
         await asyncio.sleep(0.3)
 
     async def snapshot(self, session: aiohttp.ClientSession, setup: Setup) -> dict[str, dict[str, float]]:
-        return {side: await scrape(session, url) for side, url in setup.metrics.items()}
+        found = {side: await scrape(session, url) for side, url in setup.metrics.items()}
+        if setup.sidecars:  # the engines' side of the request timeline is on vLLM's /metrics
+            for side, server in (("P vLLM", setup.prefill), ("D vLLM", setup.decode)):
+                found[side] = await scrape(session, f"{server.url}/metrics")
+        return found
 
     # -- measuring --
 
@@ -689,6 +697,11 @@ class Bench:
             await self.settle(client, setup)
             after = await self.snapshot(session, setup)
             self._transfer_stats(config, result, before, after)
+            if config.connector == "sidecar":
+                for side in after:
+                    prefix = f"{side.split()[0]}-" if side.endswith("vLLM") else ""  # "D-engine/..."
+                    for name, ms in stage_means(before.get(side, {}), after[side]).items():
+                        result.stages_ms[prefix + name] = ms
             self.results.append(result)
             ttfts = [run.ttft_ms for run in result.runs]
             transfer = "-" if result.transfer_ms is None else f"{result.transfer_ms:.1f} ms"
@@ -826,6 +839,7 @@ def rows_of(bench: Bench) -> list[dict[str, Any]]:
             "transfers_per_request": result.transfers_per_request,
             "request_transfer_ms": result.request_transfer_ms,
             "transfer_source": result.transfer_source,
+            "stages_ms": result.stages_ms,
             # A failed configuration (error) or any decode output that differs from the plain
             # instance's is a failed row.
             "output_matches": bool(runs) and all(run.matches for run in runs),

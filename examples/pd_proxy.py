@@ -197,6 +197,9 @@ class Proxy:
             params = answer.get("kv_transfer_params")
             if params:
                 params.setdefault("transfer_id", transfer_id)
+                if mode == "push":
+                    # The decoder's blocks are written by P: it names none of P's (as vLLM's push proxy).
+                    params.pop("remote_block_ids", None)
             else:
                 log.warning("prefill %s returned no kv_transfer_params; the decoder computes the prompt", prefill.url)
             return await self._decode(request, f"{decode}{path}", decode_body(body, params), request_id)

@@ -18,6 +18,8 @@ from sidecar import __version__
 
 # Transfer times span ~50 us (one small block in-process) to seconds (GiBs over a slow link).
 _TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Stages go down to a few microseconds (a cached handshake, descriptor prep of one block).
+_STAGE_BUCKETS = (0.00001, 0.000025, 0.00005, *_TIME_BUCKETS)
 _BYTE_BUCKETS = tuple(float(2**power) for power in range(12, 36, 2))
 _DESC_BUCKETS = (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 16384, 65536)
 
@@ -55,6 +57,14 @@ class SidecarMetrics:
             "Time from a request's call to its terminal event, by mode and side.",
             ["mode", "side"],
             buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.request_stage = Histogram(
+            "kvsidecar_request_stage_seconds",
+            "Time a request spent in each stage on this sidecar, derived from its trace timeline when "
+            "it ends (stages in sidecar/stages.py; needs trace_requests > 0).",
+            ["side", "mode", "stage"],
+            buckets=_STAGE_BUCKETS,
             registry=r,
         )
         self.xfer_duration = Histogram(

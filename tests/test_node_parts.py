@@ -26,6 +26,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.config import Settings
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
+from sidecar.core.trace import TraceRecorder
 from sidecar.errors import NotFound
 from tests.support.fake_transport import FakeFabric
 
@@ -322,6 +323,7 @@ def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
             metrics=metrics,
             events=WorkerEvents(config, registry, metrics, identity.sidecar_id),
             tasks=Tasks(config),
+            trace=TraceRecorder(0),
         )
         registrations = Registrations(ctx, MemoryImporter(config.shm_dirs, populate=False))
         producer = ProducerSide(ctx, Holds(ctx))

@@ -80,3 +80,12 @@ def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_pat
         assert abs(row["ratio_vs_raw_nixl"] - row["gbps"] / raw[row["scenario"]]) < 1e-9
     control = [row for row in rows if row["scenario"].startswith("control-plane")]
     assert {row["extra"]["target_rps"] for row in control} == {1.0, 100.0, 1000.0}
+    # The control path (latency minus NIXL's own transfer time) of every traced request, and the
+    # per-stage means from the sidecars' traces.
+    for row in control:
+        extra = row["extra"]
+        assert extra["control_path_requests"] >= 1 and 0 < extra["control_p50_ms"] <= extra["control_p99_ms"]
+        assert extra["control_p50_ms"] <= row["p50_ms"] + 1e-6, row  # a part of each latency, never more
+        assert extra["stages_mean_ms"]["consumer/total"] > 0
+        nixl_side = "consumer" if row["path"] == "kvsidecar-pull" else "producer"
+        assert extra["stages_mean_ms"][f"{nixl_side}/nixl_transfer"] > 0, row

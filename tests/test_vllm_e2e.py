@@ -435,6 +435,9 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
         wait_until(lambda: (_metric(servers[0], "vllm:kvsidecar_sent_bytes_count") or 0) > 0, 15.0, 0.2, "P's metrics")
         assert (_metric(servers[1], "vllm:kvsidecar_received_bytes_sum") or 0) > 0
         assert _metric(servers[1], "vllm:kvsidecar_load_failures_total") == 0  # present, and zero
+        # The engine's part of each request's timeline (call -> event seen -> step that applied it).
+        assert (_metric(servers[1], "vllm:kvsidecar_call_to_event_seconds_count") or 0) > 0
+        assert (_metric(servers[1], "vllm:kvsidecar_event_to_step_seconds_count") or 0) > 0
     finally:
         for proxy in proxies:
             proxy.kill()

@@ -54,6 +54,9 @@ class ShimConfig:
     pull_timeout: float = 0.0  # bound on one Pull (handshake + READs), enforced by the sidecar
     push_timeout: float = 0.0  # ExpectPush watchdog, enforced by the sidecar
     recv_watchdog: float = 900.0  # last-resort bound on a receive with no terminal event
+    # In a step that computes nothing while transfers are outstanding, the worker waits up to this
+    # long for their next event instead of returning at once (0 = never wait); see WorkerSide.
+    idle_wait: float = 0.002
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)
 

@@ -25,3 +25,6 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
     send_started: dict[str, float] = field(default_factory=dict)
     # Producer: submissions that failed -> reason; their blocks can be freed at once.
     send_abandoned: dict[str, str] = field(default_factory=dict)
+    # This step computes nothing (vLLM scheduled no token: every request waits, e.g. for its KV),
+    # so the worker may wait briefly for an event instead of spinning the engine loop.
+    idle: bool = False

@@ -493,7 +493,7 @@ class SchedulerSide:
             for request in self._arrived.values():
                 self._keep_alive(request)
             self._arrived = {}
-        meta = SidecarConnectorMetadata()
+        meta = SidecarConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
         if self._new_receives:
             meta.recv_started, self._new_receives = self._new_receives, {}
         if self._new_sends:

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_LISTS = ("receive_seconds", "received_bytes", "sent_bytes")
+_LISTS = ("receive_seconds", "received_bytes", "sent_bytes", "call_to_event_seconds", "event_to_step_seconds")
 _COUNTS = ("load_failures", "leases_expired", "sends_abandoned")
 
 
@@ -49,6 +49,12 @@ class SidecarKVConnectorStats(KVConnectorStats):
             self.data["leases_expired"] += 1
         elif outcome == "send_abandoned":
             self.data["sends_abandoned"] += 1
+
+    def record_stages(self, call_to_event: float, event_to_step: float) -> None:
+        """The engine's part of one request's timeline: the scheduler's call -> its terminal event
+        reached the worker, and that -> the vLLM step that applied it (``_WorkerSide._time_stages``)."""
+        self.data["call_to_event_seconds"].append(max(0.0, call_to_event))
+        self.data["event_to_step_seconds"].append(max(0.0, event_to_step))
 
     def take(self) -> SidecarKVConnectorStats | None:
         """This interval's stats (None if nothing happened), leaving this object empty."""
@@ -80,6 +86,9 @@ class SidecarKVConnectorStats(KVConnectorStats):
             ordered = sorted(received)
             summary["Median receive time (ms)"] = round(statistics.median(ordered) * 1000.0, 3)
             summary["P90 receive time (ms)"] = round(ordered[int(0.9 * (len(ordered) - 1))] * 1000.0, 3)
+        for key, label in (("call_to_event_seconds", "call->event"), ("event_to_step_seconds", "event->step")):
+            if self.data.get(key):
+                summary[f"Median {label} (ms)"] = round(statistics.median(self.data[key]) * 1000.0, 3)
         summary["Num load failures"] = self.data["load_failures"]
         summary["Num leases expired"] = self.data["leases_expired"]
         summary["Num sends abandoned"] = self.data["sends_abandoned"]
@@ -91,6 +100,7 @@ def build(data: dict[str, Any] | None) -> SidecarKVConnectorStats:
 
 
 _TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_STAGE_BUCKETS = [0.00005, 0.0001, 0.00025, 0.0005, *_TIME_BUCKETS]
 _BYTE_BUCKETS = [float(2**power) for power in range(12, 36, 2)]  # 4 KiB .. 16 GiB
 
 
@@ -132,6 +142,17 @@ class SidecarPromMetrics(KVConnectorPromMetrics):
             ),
             "sent_bytes": histogram(
                 "vllm:kvsidecar_sent_bytes", "KV bytes sent per request through kvsidecar.", _BYTE_BUCKETS
+            ),
+            "call_to_event_seconds": histogram(
+                "vllm:kvsidecar_call_to_event_seconds",
+                "Time from the connector's request call (Pull / ExpectPush / SubmitBlocks) to its terminal "
+                "event reaching the worker.",
+                _STAGE_BUCKETS,
+            ),
+            "event_to_step_seconds": histogram(
+                "vllm:kvsidecar_event_to_step_seconds",
+                "Time from a terminal event reaching the worker to the vLLM step that applied it.",
+                _STAGE_BUCKETS,
             ),
         }
         self.counters = {

@@ -3,7 +3,12 @@ rank, in vLLM's worker process).
 
 It owns the rank's KV cache export (``engine_shim.vllm.kv_memory``), its registration with the
 sidecar (``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
-(``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue.
+(``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
+that in a step where vLLM scheduled no token while transfers are outstanding,
+``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
+otherwise spin; the event is then applied in that step). Each request's call -> event seen ->
+step applied times go to the stats (``vllm:kvsidecar_call_to_event_seconds`` and
+``_event_to_step_seconds``).
 
 Threads: vLLM's worker thread calls every method and owns all request state. One ``EventWatcher``
 thread per registration puts events on ``_inbox``; a supervisor thread re-registers after the
@@ -35,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, SidecarClient
-from engine_shim.vllm.compat import compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
+from engine_shim.vllm.compat import cache_dtype, compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
@@ -67,6 +72,7 @@ class _Connected:
 class _PendingReceive:
     blocks: list[int]
     started: float
+    issued: float  # time.monotonic() of the scheduler's Pull / ExpectPush call (same host clock)
 
 
 class WorkerSide:
@@ -90,7 +96,10 @@ class WorkerSide:
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = parallel_ranks(vllm_config)
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
-        self._inbox: queue.SimpleQueue[engine_pb2.Event | _StreamClosed | _Connected] = queue.SimpleQueue()
+        # Events carry the time.monotonic() the watcher thread received them (the stage timings).
+        self._inbox: queue.SimpleQueue[tuple[engine_pb2.Event, float] | _StreamClosed | _Connected] = (
+            queue.SimpleQueue()
+        )
         self._allocation: ShmKvAllocation | None = None
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
         self._watcher: EventWatcher | None = None
@@ -105,15 +114,16 @@ class WorkerSide:
         self._supervisor: threading.Thread | None = None
         # Request state (vLLM worker thread only).
         self._receives: dict[str, _PendingReceive] = {}
-        self._sends: set[str] = set()
+        self._sends: dict[str, float] = {}  # request id -> time.monotonic() of its SubmitBlocks call
         self._early_recv: collections.OrderedDict[str, tuple[engine_pb2.Event, float]] = collections.OrderedDict()
-        self._early_send: dict[str, engine_pb2.Event] = {}
+        self._early_send: dict[str, tuple[engine_pb2.Event, float]] = {}
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._invalid_blocks: set[int] = set()
         self._step_invalid: set[int] = set()
         self._next_housekeeping = 0.0
+        self._step_idle = False  # this step computes nothing (SidecarConnectorMetadata.idle)
         self._last_loss = 0.0  # time.monotonic() of the last lost event stream
         # This interval's outcomes for vLLM's stat loggers (see engine_shim.vllm.stats).
         self.stats = SidecarKVConnectorStats()
@@ -208,11 +218,13 @@ class WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=kv_layout_of(config),
+                kv_layout=kv_layout_of(self.vllm_config, config),
                 num_blocks=num_blocks,
                 num_kv_heads=model.get_num_kv_heads(parallel),
                 total_num_kv_heads=model.get_total_num_kv_heads(),
                 is_mla=bool(model.use_mla),
+                head_size=int(model.get_head_size()),
+                dtype=cache_dtype(self.vllm_config),
             ),
             exports=exports,
             regions=regions,
@@ -242,7 +254,7 @@ class WorkerSide:
             self.tp_rank,
             self.pp_rank,
             on_closed=lambda reason: self._on_closed(generation, reason),
-            on_event=self._inbox.put,
+            on_event=self._event_arrived,
         )
         try:
             watcher.wait_connected(timeout)
@@ -260,6 +272,9 @@ class WorkerSide:
             response.peer_address,
             response.registered_bytes,
         )
+
+    def _event_arrived(self, event: engine_pb2.Event) -> None:  # watcher thread
+        self._inbox.put((event, time.monotonic()))
 
     def _on_closed(self, generation: int, reason: str) -> None:  # watcher thread
         if self._stopping.is_set():
@@ -295,23 +310,24 @@ class WorkerSide:
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         if not isinstance(meta, SidecarConnectorMetadata):
             return
+        self._step_idle = meta.idle
         if meta.recv_started or meta.send_started:
             self._drain()  # so that an already-arrived event resolves the request right away
         now = time.monotonic()
         # A request call made before this worker's event stream was last lost went to a sidecar
         # registration that no longer exists: no outcome will come for it.
         for request_id, (issued, blocks) in meta.recv_started.items():
-            self._receives[request_id] = _PendingReceive(blocks, now)
+            self._receives[request_id] = _PendingReceive(blocks, now, issued)
             early = self._early_recv.pop(request_id, None)
             if early is not None:
-                self._on_event(early[0])
+                self._on_event(*early)
             elif not self.connected or issued < self._last_loss:
                 self._fail_receive(request_id, "the sidecar's event stream was lost")
         for request_id, issued in meta.send_started.items():
-            self._sends.add(request_id)
+            self._sends[request_id] = issued
             sent = self._early_send.pop(request_id, None)
             if sent is not None:
-                self._on_event(sent)
+                self._on_event(*sent)
             elif not self.connected or issued < self._last_loss:
                 self._finish_send(request_id, "the sidecar's event stream was lost")
         for request_id, reason in meta.recv_failed.items():
@@ -326,6 +342,9 @@ class WorkerSide:
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         self._drain()
+        if self._step_idle:
+            self._step_idle = False
+            self._wait_for_event()
         if self._receives or self._early_recv:
             now = time.monotonic()
             if now >= self._next_housekeeping:
@@ -347,6 +366,23 @@ class WorkerSide:
         invalid, self._step_invalid = self._step_invalid, set()
         return invalid
 
+    def _wait_for_event(self) -> None:
+        """In a step that computes nothing, with transfers outstanding and no outcome to report yet:
+        block on the inbox for up to ``idle_wait`` instead of returning to vLLM's engine loop, which
+        would step again after 1 ms and spin a core meanwhile. Frees the core for the sidecar on a
+        small box and applies the event in this step instead of the next. Bounded, so a new request
+        arriving at the engine waits at most ``idle_wait`` more."""
+        if self.config.idle_wait <= 0 or not (self._receives or self._sends):
+            return
+        if self._done_recving or self._done_sending or self._failed_recving:
+            return
+        try:
+            item = self._inbox.get(timeout=self.config.idle_wait)
+        except queue.Empty:
+            return
+        self._apply(item)
+        self._drain()
+
     def _drain(self) -> None:
         inbox = self._inbox
         while True:
@@ -354,39 +390,52 @@ class WorkerSide:
                 item = inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, engine_pb2.Event):
-                self._on_event(item)
-            elif isinstance(item, _Connected):
-                self._active_generation = item.generation
-                self.connected = True
-                self.sidecar_id = item.sidecar_id
-            elif item.generation == self._active_generation:
-                self.connected = False
-                self._stream_lost(item.reason)
+            self._apply(item)
 
-    def _on_event(self, event: engine_pb2.Event) -> None:
+    def _apply(self, item: tuple[engine_pb2.Event, float] | _StreamClosed | _Connected) -> None:
+        if isinstance(item, tuple):
+            self._on_event(*item)
+        elif isinstance(item, _Connected):
+            self._active_generation = item.generation
+            self.connected = True
+            self.sidecar_id = item.sidecar_id
+        elif item.generation == self._active_generation:
+            self.connected = False
+            self._stream_lost(item.reason)
+
+    def _on_event(self, event: engine_pb2.Event, seen: float) -> None:
+        """Apply an event the watcher received at ``seen`` (time.monotonic())."""
         request_id = event.request_id
         kind = event.kind
         if kind in (engine_pb2.FINISHED_RECEIVING, engine_pb2.LOAD_FAILED):
-            if request_id not in self._receives:
-                self._early_recv[request_id] = (event, time.monotonic())
+            pending = self._receives.get(request_id)
+            if pending is None:
+                self._early_recv[request_id] = (event, seen)
                 if len(self._early_recv) > 10_000:
                     self._early_recv.popitem(last=False)
-            elif kind == engine_pb2.FINISHED_RECEIVING:
+                return
+            self._time_stages(pending.issued, seen)
+            if kind == engine_pb2.FINISHED_RECEIVING:
                 del self._receives[request_id]
                 self._done_recving.add(request_id)
                 self._record(request_id, event, "received")
             else:
                 self._fail_receive(request_id, event.reason, list(event.failed_block_ids), event)
         elif kind in (engine_pb2.FINISHED_SENDING, engine_pb2.LEASE_EXPIRED):
-            if request_id not in self._sends:
-                self._early_send[request_id] = event
+            issued = self._sends.pop(request_id, None)
+            if issued is None:
+                self._early_send[request_id] = (event, seen)
                 if len(self._early_send) > self.MAX_EARLY_SENDS:
                     self._early_send.pop(next(iter(self._early_send)))
-            else:
-                self._sends.discard(request_id)
-                self._done_sending.add(request_id)
-                self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
+                return
+            self._time_stages(issued, seen)
+            self._done_sending.add(request_id)
+            self._record(request_id, event, "sent" if kind == engine_pb2.FINISHED_SENDING else "lease_expired")
+
+    def _time_stages(self, issued: float, seen: float) -> None:
+        """The engine's part of the request timeline: its call -> the event reached this worker,
+        and the event reached this worker -> the vLLM step that applies it (now)."""
+        self.stats.record_stages(seen - issued, time.monotonic() - seen)
 
     def _fail_receive(
         self,
@@ -407,8 +456,7 @@ class WorkerSide:
         logger.warning("SidecarConnector: loading KV for %s failed (%s); vLLM recomputes it", request_id, reason)
 
     def _finish_send(self, request_id: str, reason: str) -> None:
-        if request_id in self._sends:
-            self._sends.discard(request_id)
+        if self._sends.pop(request_id, None) is not None:
             self._done_sending.add(request_id)
             self._record(request_id, None, "send_abandoned", reason)
 

@@ -26,6 +26,7 @@ _SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--push-registration-timeout-seconds": ("push_registration_timeout_seconds", float, "push watchdog"),
     "--transfer-timeout-seconds": ("transfer_timeout_seconds", float, "bound on one pull / one transfer"),
     "--shutdown-grace-seconds": ("shutdown_grace_seconds", float, "graceful shutdown budget"),
+    "--integrity": ("integrity", str, "off | digest: verify a digest of every received block's content"),
 }
 
 

@@ -39,7 +39,8 @@ from sidecar.core.holds import Holds
 from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
-from sidecar.core.trace import TraceRecorder, Tracing
+from sidecar.core.stages import mode_of, stage_durations
+from sidecar.core.trace import Timeline, TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
 from sidecar.dataplane.memory import MemoryImporter
 from sidecar.dataplane.plane import DataPlane
@@ -73,12 +74,12 @@ class Node:
             identity=self.identity,
             registry=self.registry,
             peers=self.peers,
-            dataplane=DataPlane(self.transport, self.identity.sidecar_id),
+            dataplane=DataPlane(self.transport, self.identity.sidecar_id, settings.staging_below_bytes),
             transport=self.transport,
             metrics=self.metrics,
             events=self.events,
             tasks=self.tasks,
-            trace=TraceRecorder(settings.trace_requests),
+            trace=TraceRecorder(settings.trace_requests, on_done=self._observe_stages),
         )
         self.registrations = Registrations(
             self.context, MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
@@ -99,6 +100,7 @@ class Node:
             query_cache=self.holds.handle_query_cache,
             transfer_failed=self.consumer.handle_transfer_failed,
             release=self.producer.handle_release,
+            get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
             local_engine_view=self.handshakes.local_engine_view,
         )
@@ -200,6 +202,14 @@ class Node:
                     request_id=notice.request_id,
                     hint="it may have expired or been released",
                 )
+
+    def _observe_stages(self, timeline: Timeline) -> None:
+        if timeline.side not in ("producer", "consumer"):
+            return
+        histogram = self.metrics.request_stage
+        mode = mode_of(timeline)
+        for stage, seconds in stage_durations(timeline).items():
+            histogram.labels(side=timeline.side, mode=mode, stage=stage).observe(seconds)
 
     def _on_xfer_done(self, op: str, result: TransferResult) -> None:
         # Runs on the transport thread; prometheus_client metrics are thread-safe.

@@ -29,10 +29,12 @@ from typing import TypeVar
 
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.core.matching import base_request_id
+from sidecar.dataplane.plane import StepHook
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
 from sidecar.peers.client import PeerClient
 
 MAX_EVENTS = 64
+
 _MAX_LEARNED_ADDRESSES = 4096
 T = TypeVar("T")
 
@@ -43,6 +45,8 @@ class _Event:
     unix_s: float
     monotonic: float
     detail: str
+    # Durations measured inside the step (NIXL's post and transfer times), by name, in seconds.
+    measured: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Timeline:
     engine_id: str
     request_id: str
     transfer_id: str = ""
+    mode: str = ""  # "pull" or "push" once known
     ids: set[str] = field(default_factory=set)
     peers: set[str] = field(default_factory=set)
     peer_sidecars: set[str] = field(default_factory=set)
@@ -64,8 +69,10 @@ class Timeline:
 
 
 class TraceRecorder:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_done: Callable[[Timeline], None] | None = None) -> None:
         self.capacity = capacity
+        # Told of each timeline once, when its terminal event is recorded (the stage histograms).
+        self._on_done = on_done
         self._timelines: OrderedDict[tuple[str, str, str], Timeline] = OrderedDict()
         # Sidecar id -> address, learned from calls that name their caller (Handshake, PushReg),
         # so a producer can ask the consumer that pulled from it, which it knows only by id.
@@ -90,10 +97,13 @@ class TraceRecorder:
         peer_sidecar: str = "",
         once: bool = False,
         done: bool = False,
+        mode: str = "",
+        measured: dict[str, float] | None = None,
     ) -> None:
         """Record ``kind`` for the request. ``ids``: other ids it is known by; ``peer`` /
         ``peer_sidecar``: a peer sidecar involved (by address / by id); ``once``: skip if the same
-        kind and detail is already recorded; ``done``: a terminal event."""
+        kind and detail is already recorded; ``done``: a terminal event; ``mode``: the transfer
+        mode once known; ``measured``: durations measured inside this step (seconds)."""
         if self.capacity <= 0:
             return
         key = (side, engine_id, request_id)
@@ -104,6 +114,8 @@ class TraceRecorder:
                 self._timelines.popitem(last=False)
         if transfer_id:
             timeline.transfer_id = transfer_id
+        if mode:
+            timeline.mode = mode
         timeline.ids.update(name for name in ids if name)
         if peer:
             timeline.peers.add(peer)
@@ -114,8 +126,11 @@ class TraceRecorder:
         if len(timeline.events) >= MAX_EVENTS and not done:
             timeline.dropped += 1
             return
-        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail))
-        timeline.done = timeline.done or done
+        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured or {})))
+        if done and not timeline.done:
+            timeline.done = True
+            if self._on_done is not None:
+                self._on_done(timeline)
 
     def ended(self, side: str, engine_id: str, request_id: str, kind: int, reason: str = "", moved: int = 0) -> None:
         """The terminal event the engine gets (FINISHED_* is "finished", anything else "failed")."""
@@ -124,9 +139,14 @@ class TraceRecorder:
         detail = f"{name}, {moved} bytes moved" + (f": {reason}" if reason else "")
         self.event(side, engine_id, request_id, "finished" if finished else "failed", detail, done=True)
 
-    def hook(self, side: str, engine_id: str, request_id: str) -> Callable[[str, str], None]:
-        """A ``(kind, detail)`` recorder for code that does not know the request (the data plane)."""
-        return lambda kind, detail: self.event(side, engine_id, request_id, kind, detail)
+    def hook(self, side: str, engine_id: str, request_id: str) -> StepHook:
+        """A ``(kind, detail, measured)`` recorder for code that does not know the request (the
+        data plane)."""
+
+        def step(kind: str, detail: str, measured: dict[str, float] | None = None) -> None:
+            self.event(side, engine_id, request_id, kind, detail, measured=measured)
+
+        return step
 
     async def timed(self, side: str, engine_id: str, request_id: str, kind: str, what: str, work: Awaitable[T]) -> T:
         """Await ``work`` and record ``kind`` with how long it took, or why it failed."""
@@ -170,13 +190,23 @@ def to_proto(timeline: Timeline) -> common_pb2.RequestTimeline:
         side=timeline.side,
         done=timeline.done,
         events=[
-            common_pb2.TraceEvent(kind=e.kind, unix_s=e.unix_s, offset_s=e.monotonic - start, detail=e.detail)
+            common_pb2.TraceEvent(
+                kind=e.kind, unix_s=e.unix_s, offset_s=e.monotonic - start, detail=e.detail, measured_s=e.measured
+            )
             for e in timeline.events
         ],
         dropped_events=timeline.dropped,
         peers=sorted(timeline.peers),
         other_ids=sorted(timeline.ids - {timeline.request_id}),
     )
+
+
+def from_proto(line: common_pb2.RequestTimeline) -> Timeline:
+    """A timeline as a Trace query returned it (offsets on one monotonic axis), e.g. to derive its
+    stages elsewhere (sidecar.stages)."""
+    timeline = Timeline(line.side, line.engine_id, line.request_id, line.transfer_id, done=line.done)
+    timeline.events = [_Event(e.kind, e.unix_s, e.offset_s, e.detail, dict(e.measured_s)) for e in line.events]
+    return timeline
 
 
 PeerCall = Callable[[str, common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from engine_shim.memory import KvLayout
+from sidecar.core.stages import stage_durations
 from sidecar.tools.launcher import child_env
 from sidecar.tools.workload import TransferPair
 
@@ -283,6 +284,7 @@ def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row
             latencies.append(latency)
 
     transfer(source, destination)  # warm-up
+    pair.completed.clear()
     started = time.perf_counter()
     with ThreadPoolExecutor(64) as executor:
         futures = []
@@ -294,6 +296,8 @@ def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row
         for future in futures:
             future.result()
     elapsed = time.perf_counter() - started
+    extra: dict[str, Any] = {"target_rps": rate, "achieved_rps": count / elapsed}
+    extra.update(control_path(pair))
     return Row(
         scenario=f"control-plane-{rate:g}rps",
         path=f"kvsidecar-{mode}",
@@ -309,8 +313,41 @@ def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row
         blocks=1,
         pattern="adjacent",
         concurrency=0,
-        extra={"target_rps": rate, "achieved_rps": count / elapsed},
+        extra=extra,
     )
+
+
+CONTROL_PATH = (
+    "control path = the request's latency (producer's SubmitBlocks -> consumer's FINISHED_RECEIVING, "
+    "as the engines saw it) minus NIXL's own transfer time for it (NIXL telemetry, from the Trace query)"
+)
+
+
+def control_path(pair: TransferPair) -> dict[str, Any]:
+    """Control-path p50/p99 over the pair's completed requests, and each side's mean stage times
+    (sidecar.stages over the Trace of every request still kept)."""
+    controls: list[float] = []
+    stages: dict[str, list[float]] = {}
+    for request_id, latency in list(pair.completed):
+        timelines = pair.trace(request_id)
+        nixl = 0.0
+        for timeline in timelines:
+            if timeline.side not in ("producer", "consumer"):
+                continue
+            for stage, seconds in stage_durations(timeline).items():
+                stages.setdefault(f"{timeline.side}/{stage}", []).append(seconds)
+            nixl += sum(e.measured.get("nixl_transfer", 0.0) for e in timeline.events)
+        if timelines:
+            controls.append(max(0.0, latency - nixl))
+    if not controls:
+        return {}
+    return {
+        "control_path_definition": CONTROL_PATH,
+        "control_path_requests": len(controls),
+        "control_p50_ms": percentile(controls, 0.5) * 1000,
+        "control_p99_ms": percentile(controls, 0.99) * 1000,
+        "stages_mean_ms": {name: statistics.fmean(values) * 1000 for name, values in sorted(stages.items())},
+    }
 
 
 def scenarios(quick: bool) -> dict[int, list[Scenario]]:
@@ -425,6 +462,14 @@ def render(rows: list[Row]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    controls = [row for row in rows if "control_p50_ms" in row.extra]
+    if controls:
+        lines.append(f"\n{CONTROL_PATH}:")
+        for row in controls:
+            lines.append(
+                f"  {row.scenario:24s} {row.path:16s} control p50 {row.extra['control_p50_ms']:.3f} ms, "
+                f"p99 {row.extra['control_p99_ms']:.3f} ms ({row.extra['control_path_requests']} requests traced)"
+            )
     return "\n".join(lines)
 
 

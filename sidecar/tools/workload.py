@@ -9,6 +9,7 @@ FINISHED_RECEIVING event. Calls are thread-safe; the engines' event threads comp
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import shutil
@@ -19,12 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import grpc
 import numpy as np
 
 from engine_shim.client import remote
 from engine_shim.memory import KvLayout
 from engine_shim.simulated import SimulatedEngine
 from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.core.trace import Timeline, from_proto
 from sidecar.tools.launcher import DaemonProcess
 
 POISON = 0xA5
@@ -43,10 +46,12 @@ class TransferPair:
         workdir: Path | None = None,
         request_timeout: float = 60.0,
         roles: tuple[str, str] = ("producer", "consumer"),
+        consumer_layout: KvLayout | None = None,
         make_daemon: Callable[[str], DaemonProcess] | None = None,
     ) -> None:
         self.layout = layout
         self.roles = roles  # ("both", "both") for multi-turn: D holds, P pulls back
+        self.consumer_layout = consumer_layout or layout  # another block size or KV layout: converted
         self.same_node = same_node
         self.request_timeout = request_timeout
         self._own_workdir = workdir is None
@@ -60,6 +65,9 @@ class TransferPair:
         self._waiters: dict[tuple[str, str], concurrent.futures.Future[engine_pb2.Event]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        # (request id, seconds from SubmitBlocks to FINISHED_RECEIVING) of recent successes, for
+        # benchmarks that look a request up afterwards (``trace``).
+        self.completed: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
 
     def __enter__(self) -> TransferPair:
         try:
@@ -83,7 +91,7 @@ class TransferPair:
             self.daemons.append(d_daemon)
         self.producer = SimulatedEngine(p_daemon.socket, "bench-P", self.roles[0], self.layout)
         self.producer.start(on_event=self._route)
-        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", self.roles[1], self.layout)
+        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", self.roles[1], self.consumer_layout)
         self.consumer.start(on_event=self._route)
 
     def close(self) -> None:
@@ -133,24 +141,40 @@ class TransferPair:
                 self._waiters.pop(("P", request_id), None)
         if event.kind != engine_pb2.FINISHED_RECEIVING:
             raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
+        self.completed.append((request_id, latency))
         return latency
 
-    def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
-        """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
+    def trace(self, request_id: str) -> list[Timeline]:
+        """The request's timelines on both sidecars (Trace from the consumer's sidecar); [] when it
+        is no longer kept (``trace_requests``)."""
+        assert self.consumer is not None
+        try:
+            query = common_pb2.TraceRequest(request_id=request_id + "-d")
+            response = self.consumer.client.stub.Trace(query, timeout=10)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return []
+            raise
+        return [from_proto(line) for part in response.sidecars for line in part.requests]
+
+    def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
+        """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING.
+        ``num_tokens`` is required when the engines' block sizes differ."""
         assert self.producer is not None and self.consumer is not None
         request_id = f"pull-{next(self._ids)}"
         received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
         started = time.perf_counter()
         self.producer.client.submit_blocks(
-            self.producer.engine_id, request_id, [list(p_blocks)], mode=common_pb2.TRANSFER_MODE_PULL
-        )
+            self.producer.engine_id, request_id, [list(p_blocks)], num_tokens=num_tokens,
+            mode=common_pb2.TRANSFER_MODE_PULL,
+        )  # fmt: skip
         self.consumer.client.pull(
             self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
-            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)]),
+            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)], 0, num_tokens),
         )  # fmt: skip
         return self._finish(request_id, received, sent, started)
 
-    def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
+    def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
         """Consumer registers, producer submits; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
         assert self.producer is not None and self.consumer is not None
         request_id = f"push-{next(self._ids)}"
@@ -165,7 +189,7 @@ class TransferPair:
         started = time.perf_counter()
         self.producer.client.submit_blocks(
             self.producer.engine_id, request_id, [list(p_blocks)], transfer_id=transfer_id,
-            mode=common_pb2.TRANSFER_MODE_PUSH,
+            mode=common_pb2.TRANSFER_MODE_PUSH, num_tokens=num_tokens,
         )  # fmt: skip
         return self._finish(request_id, received, sent, started)
 
