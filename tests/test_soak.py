@@ -39,7 +39,7 @@ def shm_usage() -> tuple[int, int]:
 
 
 def test_soak_mixed_requests_stay_flat_and_leave_nothing(workdir: Path) -> None:
-    args = ["--set", "lease_seconds=5"]
+    args = ["--set", "lease_seconds=5", "--set", "integrity=digest"]  # digests checked on every load
     with TransferPair(LAYOUT, sidecar_args=args, workdir=workdir, request_timeout=30, roles=("both", "both")) as pair:
         assert pair.producer is not None and pair.consumer is not None
         pair.fill_producer(1)

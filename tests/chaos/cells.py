@@ -57,6 +57,9 @@ SETTINGS = {
     "push_registration_timeout_seconds": 5.0,
     "worker_attach_timeout_seconds": 5.0,
     "shutdown_grace_seconds": 2.0,
+    # End-to-end digests (issue 11): a consumer that received wrong bytes fails the load. The
+    # cells still check every byte themselves.
+    "integrity": "digest",
 }
 # The waiting side learns within this many seconds of the fault (plus STOP_SECONDS for a stop):
 # the longest of the bounds that apply (transfer timeout 4, push registration 5, lease 2 plus a
