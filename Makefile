@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast hetero multihost lint run demo bench bench-multihost bench-scaling bench-vllm bench-load clean
+.PHONY: setup proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,19 @@ hetero: setup
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup
 	$(PY) -m pytest -q -m multihost tests/multihost
+
+# Hostile input (tests/test_fuzz.py): 10,000 structured + 10,000 raw messages per service (a few
+# hundred in `make test`).
+fuzz: setup
+	KVSIDECAR_FUZZ_PROFILE=full $(PY) -m pytest -q -s -m fuzz tests/test_fuzz.py
+
+# The whole fault matrix (tests/chaos/README.md); `make test` runs a representative subset.
+chaos: setup
+	KVSIDECAR_CHAOS=full $(PY) -m pytest -q -s -m chaos tests/chaos
+
+# 10,000 mixed requests through two sidecars, resources sampled (bench/README.md).
+soak: setup
+	KVSIDECAR_SOAK_REQUESTS=10000 $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples

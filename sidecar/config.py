@@ -142,6 +142,10 @@ class Settings(BaseSettings):
     # A producer may be asked about a request before its own SubmitBlocks reached it; "unknown"
     # counts as "lost" after this long (or at once if the producer had confirmed it before).
     producer_unknown_grace_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
+    # A peer's Handshake, PushReg or Heartbeat naming an engine of ours that has not registered yet
+    # (starting or restarting) waits this long for it before answering as before; capped at 80 % of
+    # peer_call_timeout_seconds so the answer beats the caller's deadline. 0: fail at once.
+    engine_arrival_wait_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
     # Consecutive failed heartbeats after which a consumer gives up on a peer's requests.
     heartbeat_failures_allowed: int = Field(default=2, ge=1, le=100)
     # Consumer, push: a registered push that has not arrived by then fails (vLLM recomputes).

@@ -40,6 +40,12 @@ class FailedPrecondition(SidecarError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class PermissionDenied(SidecarError):
+    """A peer acted on a transfer it is not a party to (mTLS identity); the message says whose."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ResourceExhausted(SidecarError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -3,65 +3,15 @@ certificate, or with one from another CA, is refused."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from tests.support.pki import make_pki, tls_args
 from tests.test_pull import kv, pull_and_wait
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def make_pki(directory: Path, name: str, dns_names: list[str] | None = None) -> tuple[Path, Path, Path]:
-    """A CA and one certificate for 127.0.0.1 (and ``dns_names``), usable as server and client;
-    returns (cert, key, ca)."""
-    names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    names += [x509.DNSName(dns) for dns in dns_names or []]
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = _key(), _key()
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
-    ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    cert = (
-        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvsidecar")]))
-        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = (directory / f"{name}.crt", directory / f"{name}.key", directory / f"{name}-ca.crt")
-    paths[0].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(_pem(key))
-    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    return paths
-
-
-def tls_args(cert: Path, key: Path, ca: Path) -> list[str]:
-    return ["--set", f"peer_tls_cert={cert}", "--set", f"peer_tls_key={key}", "--set", f"peer_tls_ca={ca}"]
 
 
 def test_pull_over_mtls_and_strangers_are_refused(workdir: Path, sidecars, engines) -> None:

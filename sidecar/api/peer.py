@@ -1,5 +1,6 @@
 """PeerService servicer: one line per RPC, through the node's routing table (``peers.routes``),
-the same table a call to this sidecar's own address takes. Runs on the event loop thread."""
+the same table a call to this sidecar's own address takes; the calls that act on a transfer carry
+the caller's certificate identity (mTLS, ``sidecar.tls``). Runs on the event loop thread."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import grpc
 
 from kvsidecar.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from sidecar.peers.routes import PeerRoutes
+from sidecar.tls import peer_identity
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -21,12 +23,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def PushReg(
         self, request: peer_pb2.PushRegRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PushRegResponse:
-        return await self._routes.push_reg(request)
+        return await self._routes.push_reg(request, peer_identity(context))
 
     async def Heartbeat(
         self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HeartbeatResponse:
-        return await self._routes.heartbeat(request)
+        return await self._routes.heartbeat(request, peer_identity(context))
 
     async def QueryCache(
         self, request: peer_pb2.PeerQueryCacheRequest, context: grpc.aio.ServicerContext
@@ -36,12 +38,12 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def TransferFailed(
         self, request: peer_pb2.TransferFailedRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.TransferFailedResponse:
-        return await self._routes.transfer_failed(request)
+        return await self._routes.transfer_failed(request, peer_identity(context))
 
     async def Release(
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
-        return await self._routes.release(request)
+        return await self._routes.release(request, peer_identity(context))
 
     async def GetDigests(
         self, request: peer_pb2.GetDigestsRequest, context: grpc.aio.ServicerContext

@@ -40,6 +40,7 @@ from sidecar.app.systemd import SystemdNotifier
 from sidecar.config import Settings, split_host_port
 from sidecar.core.node import Node
 from sidecar.logs import get_logger
+from sidecar.tls import TlsFiles
 
 log = get_logger("kvsidecar.server")
 
@@ -127,14 +128,10 @@ class SidecarServer:
         reflection.enable_server_reflection(
             [PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
         )
-        if settings.tls_enabled:
-            assert settings.peer_tls_key and settings.peer_tls_cert and settings.peer_tls_ca
-            credentials = grpc.ssl_server_credentials(
-                [(settings.peer_tls_key.read_bytes(), settings.peer_tls_cert.read_bytes())],
-                root_certificates=settings.peer_tls_ca.read_bytes(),
-                require_client_auth=True,
-            )
-            self.peer_port = self.peer_server.add_secure_port(settings.peer_listen, credentials)
+        if settings.peer_tls_cert and settings.peer_tls_key and settings.peer_tls_ca:
+            # Re-reads the files when they change: rotated certificates need no restart (sidecar.tls).
+            tls = TlsFiles(settings.peer_tls_cert, settings.peer_tls_key, settings.peer_tls_ca)
+            self.peer_port = self.peer_server.add_secure_port(settings.peer_listen, tls.server_credentials())
         else:
             self.peer_port = self.peer_server.add_insecure_port(settings.peer_listen)
         if self.peer_port == 0:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar.config import split_host_port
 from sidecar.core import validation
 from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
@@ -48,9 +49,17 @@ from sidecar.dataplane.plan.convert import check_exchange, single_group
 from sidecar.dataplane.plan.descriptors import block_byte_ranges
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import EngineView, LocalWorker, TransferJob
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, SidecarError, Unavailable
+from sidecar.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    SidecarError,
+    Unavailable,
+)
 from sidecar.logs import get_logger
 from sidecar.peers.addresses import normalize_address
+from sidecar.tls import covers
 
 log = get_logger("kvsidecar.consumer")
 
@@ -304,12 +313,25 @@ class ConsumerSide:
 
     # --- PeerService --------------------------------------------------------------------------
 
-    async def handle_transfer_failed(self, request: peer_pb2.TransferFailedRequest) -> peer_pb2.TransferFailedResponse:
+    async def handle_transfer_failed(
+        self, request: peer_pb2.TransferFailedRequest, identity: str = ""
+    ) -> peer_pb2.TransferFailedResponse:
+        """``identity``: the caller's certificate names with mTLS, "" without (``sidecar.tls``)."""
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         pending = self.requests.get((request.engine_id, request.request_id))
         if pending is None or not pending.is_push:
             return peer_pb2.TransferFailedResponse(sidecar_id=self._ctx.identity.sidecar_id, found=False)
+        # With mTLS only the producer may fail its push: a certificate valid for the address the
+        # consumer registered with.
+        host = split_host_port(pending.remote.address, "address")[0] if pending.remote.address else ""
+        if identity and host and not covers(identity, host):
+            log.warning("peer_refused", action="TransferFailed", request=f"{request.engine_id}/{request.request_id}",
+                        peer_identity=identity, producer=pending.remote.address)  # fmt: skip
+            raise PermissionDenied(
+                f"TransferFailed: request {request.engine_id}/{request.request_id} is a push from "
+                f"{pending.remote.address}; certificate {identity!r} is not valid for {host}"
+            )
         self._fail(pending, f"producer reported: {request.reason}", reason_label="producer_failed")
         return peer_pb2.TransferFailedResponse(sidecar_id=self._ctx.identity.sidecar_id, found=True)
 
@@ -685,6 +707,10 @@ class ConsumerSide:
         the producer dropped it, or never knew it within the grace period."""
         delay = 0.002
         while True:
+            if self.requests.get(pending.key) is not pending:
+                # Ended meanwhile (a heartbeat round judged it lost, or a Release): its engine was
+                # told and may have reused the blocks. Never read into them now.
+                raise ProducerLost("the request ended while its producer was being asked")
             unknown = await self._heartbeat(
                 pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True, judge=False
             )

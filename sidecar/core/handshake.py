@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvsidecar.v1 import peer_pb2
 from sidecar import PROTOCOL_VERSION
 from sidecar.core import validation
+from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine
 from sidecar.dataplane.plane import EngineView
@@ -53,6 +54,7 @@ class Handshakes:
                 "upgrade the older sidecar"
             )
         await self._ctx.peers.note_caller(request.caller)
+        await await_engine(self._ctx, request.engine_id)
         self._ctx.trace.learn(request.caller)
         engine = self._engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
         self._ctx.transport.warm(_HANDSHAKE_WARM_SECONDS)

@@ -54,6 +54,7 @@ class Registration(Generic[Order]):
     transfer_id: str
     prefill_request_id: str  # empty when the consumer does not know it
     order: Order = field(compare=False)
+    identity: str = field(default="", compare=False)  # the registering peer's certificate (mTLS)
 
     @property
     def key(self) -> tuple[str, str]:

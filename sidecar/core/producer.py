@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
+from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
 from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
@@ -48,7 +49,7 @@ from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
 from sidecar.dataplane.plan.convert import single_group
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import TransferJob
-from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
+from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SidecarError
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
@@ -84,6 +85,9 @@ class ProducerRequest:
     closing: tuple[int, str] | None = None
     # Why a push's blocks are freed once its WRITEs end: (event kind, reason).
     end: tuple[int, str] | None = None
+    # The consumer's certificate identity (mTLS): from its push registration, or the first peer
+    # that heartbeats or releases a pull. Other peers may not act on the request.
+    peer_identity: str = ""
 
     @property
     def key(self) -> RequestKey:
@@ -218,7 +222,28 @@ class ProducerSide:
 
     # --- PeerService --------------------------------------------------------------------------
 
-    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
+    def _authorize(
+        self, holder: ProducerRequest | Registration[PushOrder], identity: str, action: str, what: str
+    ) -> None:
+        """With mTLS, only the peer that is a party to a transfer may act on it (``sidecar.tls``).
+        The first authenticated peer to act on a pull claims it; a push is its registration's."""
+        if not identity:
+            return
+        current = holder.peer_identity if isinstance(holder, ProducerRequest) else holder.identity
+        if not current:
+            if isinstance(holder, ProducerRequest):
+                holder.peer_identity = identity
+            return
+        if current != identity:
+            log.warning("peer_refused", action=action, request=what, peer_identity=identity, party=current)
+            raise PermissionDenied(
+                f"{action}: {what} belongs to the peer with certificate {current!r}, not {identity!r}"
+            )
+
+    # ``identity`` (the PeerService handlers below): the caller's certificate names with mTLS, ""
+    # without (a plaintext port, the local Unix socket, or this sidecar calling itself).
+
+    async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
         ctx = self._ctx
         validation.identifier(request.prefill_engine_id, "prefill_engine_id")
         validation.identifier(request.decode_engine_id, "decode_engine_id")
@@ -230,6 +255,7 @@ class ProducerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
+        await await_engine(ctx, request.prefill_engine_id)  # the consumer may be earlier than our engine
         engine = ctx.registry.engines.get(request.prefill_engine_id)
         if engine is None:
             raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
@@ -250,7 +276,13 @@ class ProducerSide:
         if problem:
             raise InvalidArgument("block_ids", problem)
         reg_key = (request.decode_engine_id, request.request_id)
-        if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
+        what = f"push registration {request.decode_engine_id}/{request.request_id}"
+        existing = self.matcher.find_registration(reg_key)
+        if existing is not None:
+            self._authorize(existing, identity, "PushReg", what)
+        elif reg_key in self._pushing and self._pushing[reg_key] in self.requests:
+            self._authorize(self.requests[self._pushing[reg_key]], identity, "PushReg", what)
+        if reg_key in self._pushing or existing is not None:
             # A repeated registration: the first one is already matched or waiting.
             return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=reg_key in self._pushing)
         registration = Registration(
@@ -260,6 +292,7 @@ class ProducerSide:
             transfer_id=request.transfer_id,
             prefill_request_id=request.prefill_request_id,
             order=PushOrder(request, blocks),
+            identity=identity,
         )
         if self.matcher.submission_matching(registration) is None:
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
@@ -311,9 +344,12 @@ class ProducerSide:
         work = asyncio.to_thread(digests, layouts, blocks, 0, span)
         return await self._ctx.tasks.spawn(work, engines=[pending.engine_id])
 
-    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
+    async def handle_heartbeat(
+        self, request: peer_pb2.HeartbeatRequest, identity: str = ""
+    ) -> peer_pb2.HeartbeatResponse:
         ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
+        await await_engine(ctx, request.engine_id)  # the consumer may be earlier than our engine
         unknown = []
         foreign = []
         extension = ctx.settings.lease_extension_seconds
@@ -326,6 +362,7 @@ class ProducerSide:
             )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None and pending.closing is None:
+                self._authorize(pending, identity, "Heartbeat", f"request {request.engine_id}/{pending.request_id}")
                 ctx.trace.event(
                     "producer",
                     pending.engine_id,
@@ -363,7 +400,9 @@ class ProducerSide:
             sidecar_id=ctx.identity.sidecar_id, unknown=unknown, lease_seconds=extension, foreign_blocks=foreign
         )
 
-    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
+    async def handle_release(
+        self, request: peer_pb2.PeerReleaseRequest, identity: str = ""
+    ) -> peer_pb2.PeerReleaseResponse:
         """A consumer is done with a request (consumed it, or gave up on it)."""
         ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
@@ -382,6 +421,7 @@ class ProducerSide:
             request.engine_id, request.transfer_id, request.consumer_request_id
         )
         if registration is not None:
+            self._authorize(registration, identity, "Release", f"push registration {'/'.join(registration.key)}")
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
             self._update_gauges()
@@ -393,6 +433,7 @@ class ProducerSide:
                     pending = self.requests.get(producer_key)
         if pending is None:
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
+        self._authorize(pending, identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
         if pending.writing:
             self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {request.reason}")
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=True)
@@ -426,6 +467,7 @@ class ProducerSide:
     def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
         request, blocks = registration.order
         self._registration_deadlines.cancel(registration.key)
+        pending.peer_identity = registration.identity or pending.peer_identity
         pending.writing = True
         trace = self._ctx.trace
         trace.event(

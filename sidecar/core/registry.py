@@ -161,6 +161,8 @@ class Registry:
     def __init__(self) -> None:
         self.engines: dict[str, Engine] = {}
         self._by_agent: dict[str, Worker] = {}
+        # Calls waiting for an engine to be complete (core.arrivals), resolved by add().
+        self._arrivals: dict[str, list[asyncio.Future[None]]] = {}
 
     def worker(self, engine_id: str, tp_rank: int, pp_rank: int) -> Worker | None:
         engine = self.engines.get(engine_id)
@@ -183,6 +185,36 @@ class Registry:
         engine.generation = uuid.uuid4().hex[:12]
         self.engines[engine.engine_id] = engine
         self._by_agent[worker.agent_name] = worker
+        if engine.complete:
+            for waiter in self._arrivals.pop(engine.engine_id, []):
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def is_complete(self, engine_id: str) -> bool:
+        engine = self.engines.get(engine_id)
+        return engine is not None and engine.complete
+
+    @property
+    def arrival_waiters(self) -> int:
+        return sum(len(waiters) for waiters in self._arrivals.values())
+
+    async def wait_complete(self, engine_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``engine_id`` to be registered with all its workers."""
+        if self.is_complete(engine_id):
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._arrivals.setdefault(engine_id, [])
+        waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._arrivals.pop(engine_id, None)
 
     def remove(self, worker: Worker) -> None:
         engine = self.engines.get(worker.engine_id)

@@ -39,7 +39,7 @@ from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.addresses import SelfAddresses, address_key
 from sidecar.peers.channels import PeerChannels
-from sidecar.peers.routes import PeerRoutes
+from sidecar.peers.routes import LOCAL, PeerRoutes
 
 log = get_logger("kvsidecar.peers")
 
@@ -209,13 +209,17 @@ class PeerClient:
     async def push_reg(
         self, address: str, request: peer_pb2.PushRegRequest, wait_for_ready: bool = True
     ) -> peer_pb2.PushRegResponse:
-        response = await self._call(address, request, lambda r: r.push_reg, lambda s: s.PushReg, wait_for_ready)
+        response = await self._call(
+            address, request, lambda r: lambda q: r.push_reg(q, LOCAL), lambda s: s.PushReg, wait_for_ready
+        )
         return cast(peer_pb2.PushRegResponse, response)
 
     async def heartbeat(
         self, address: str, request: peer_pb2.HeartbeatRequest, wait_for_ready: bool = True
     ) -> peer_pb2.HeartbeatResponse:
-        response = await self._call(address, request, lambda r: r.heartbeat, lambda s: s.Heartbeat, wait_for_ready)
+        response = await self._call(
+            address, request, lambda r: lambda q: r.heartbeat(q, LOCAL), lambda s: s.Heartbeat, wait_for_ready
+        )
         return cast(peer_pb2.HeartbeatResponse, response)
 
     async def query_cache(
@@ -228,14 +232,20 @@ class PeerClient:
         self, address: str, request: peer_pb2.TransferFailedRequest, wait_for_ready: bool = True
     ) -> peer_pb2.TransferFailedResponse:
         response = await self._call(
-            address, request, lambda r: r.transfer_failed, lambda s: s.TransferFailed, wait_for_ready
+            address,
+            request,
+            lambda r: lambda q: r.transfer_failed(q, LOCAL),
+            lambda s: s.TransferFailed,
+            wait_for_ready,
         )
         return cast(peer_pb2.TransferFailedResponse, response)
 
     async def release(
         self, address: str, request: peer_pb2.PeerReleaseRequest, wait_for_ready: bool = True
     ) -> peer_pb2.PeerReleaseResponse:
-        response = await self._call(address, request, lambda r: r.release, lambda s: s.Release, wait_for_ready)
+        response = await self._call(
+            address, request, lambda r: lambda q: r.release(q, LOCAL), lambda s: s.Release, wait_for_ready
+        )
         return cast(peer_pb2.PeerReleaseResponse, response)
 
     async def get_digests(

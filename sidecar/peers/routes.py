@@ -15,15 +15,20 @@ from dataclasses import dataclass
 from kvsidecar.v1 import common_pb2, peer_pb2
 from sidecar.dataplane.plane import EngineView
 
+# The identity of a call this sidecar makes to its own address (never leaves the process).
+LOCAL = ""
+
 
 @dataclass(frozen=True)
 class PeerRoutes:
     handshake: Callable[[peer_pb2.HandshakeRequest], Awaitable[peer_pb2.HandshakeResponse]]
-    push_reg: Callable[[peer_pb2.PushRegRequest], Awaitable[peer_pb2.PushRegResponse]]
-    heartbeat: Callable[[peer_pb2.HeartbeatRequest], Awaitable[peer_pb2.HeartbeatResponse]]
+    # The calls that act on a transfer take the caller's certificate identity too ("" for a
+    # plaintext or local caller; sidecar.tls): only a party to the transfer may act on it.
+    push_reg: Callable[[peer_pb2.PushRegRequest, str], Awaitable[peer_pb2.PushRegResponse]]
+    heartbeat: Callable[[peer_pb2.HeartbeatRequest, str], Awaitable[peer_pb2.HeartbeatResponse]]
     query_cache: Callable[[peer_pb2.PeerQueryCacheRequest], Awaitable[peer_pb2.PeerQueryCacheResponse]]
-    transfer_failed: Callable[[peer_pb2.TransferFailedRequest], Awaitable[peer_pb2.TransferFailedResponse]]
-    release: Callable[[peer_pb2.PeerReleaseRequest], Awaitable[peer_pb2.PeerReleaseResponse]]
+    transfer_failed: Callable[[peer_pb2.TransferFailedRequest, str], Awaitable[peer_pb2.TransferFailedResponse]]
+    release: Callable[[peer_pb2.PeerReleaseRequest, str], Awaitable[peer_pb2.PeerReleaseResponse]]
     get_digests: Callable[[peer_pb2.GetDigestsRequest], Awaitable[peer_pb2.GetDigestsResponse]]
     trace: Callable[[common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]
     # A local engine as the other side of a same-node transfer (read from the registry each time).

@@ -45,10 +45,12 @@ class TransferPair:
         sidecar_args: Sequence[str] = (),
         workdir: Path | None = None,
         request_timeout: float = 60.0,
+        roles: tuple[str, str] = ("producer", "consumer"),
         consumer_layout: KvLayout | None = None,
         make_daemon: Callable[[str], DaemonProcess] | None = None,
     ) -> None:
         self.layout = layout
+        self.roles = roles  # ("both", "both") for multi-turn: D holds, P pulls back
         self.consumer_layout = consumer_layout or layout  # another block size or KV layout: converted
         self.same_node = same_node
         self.request_timeout = request_timeout
@@ -87,9 +89,9 @@ class TransferPair:
         if not self.same_node:
             d_daemon = self._make_daemon("d").start()
             self.daemons.append(d_daemon)
-        self.producer = SimulatedEngine(p_daemon.socket, "bench-P", "producer", self.layout)
+        self.producer = SimulatedEngine(p_daemon.socket, "bench-P", self.roles[0], self.layout)
         self.producer.start(on_event=self._route)
-        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", "consumer", self.consumer_layout)
+        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", self.roles[1], self.consumer_layout)
         self.consumer.start(on_event=self._route)
 
     def close(self) -> None:
@@ -190,6 +192,81 @@ class TransferPair:
             mode=common_pb2.TRANSFER_MODE_PUSH, num_tokens=num_tokens,
         )  # fmt: skip
         return self._finish(request_id, received, sent, started)
+
+    def multiturn(self, d_blocks: Sequence[int], p_blocks: Sequence[int]) -> float:
+        """Multi-turn reuse: the consumer holds a finished turn's blocks, the producer pulls them
+        back; returns seconds from HoldBlocks to the producer's FINISHED_RECEIVING. Needs
+        ``roles=("both", "both")``."""
+        assert self.producer is not None and self.consumer is not None
+        request_id = f"turn-{next(self._ids)}"
+        # The producer receives here (a receiving kind routes to "D"), the consumer sends ("P").
+        received, sent = self._expect("D", request_id + "-p"), self._expect("P", request_id)
+        started = time.perf_counter()
+        self.consumer.client.hold_blocks(self.consumer.engine_id, request_id, [list(d_blocks)], ttl_seconds=60)
+        self.producer.client.pull(
+            self.producer.engine_id, request_id + "-p", [list(p_blocks)],
+            remote(self.consumer.peer_address, self.consumer.engine_id, request_id, [list(d_blocks)]),
+        )  # fmt: skip
+        try:
+            event = received.result(self.request_timeout)
+            latency = time.perf_counter() - started
+            sent.result(self.request_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferFailed(f"{request_id}: no terminal event within {self.request_timeout}s") from None
+        finally:
+            with self._lock:
+                self._waiters.pop(("D", request_id + "-p"), None)
+                self._waiters.pop(("P", request_id), None)
+        if event.kind != engine_pb2.FINISHED_RECEIVING:
+            raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
+        return latency
+
+    def abort(self, mode: str, p_blocks: Sequence[int], d_blocks: Sequence[int], delay: float) -> str:
+        """Start a push or pull, then the consumer releases (aborts) it after ``delay`` seconds.
+        Returns the producer's terminal event kind; raises if the producer never ends it (its
+        blocks would leak)."""
+        assert self.producer is not None and self.consumer is not None
+        request_id = f"abort-{next(self._ids)}"
+        transfer_id = "t-" + request_id
+        sent = self._expect("P", request_id)
+        target = remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)])
+        if mode == "push":
+            self.consumer.client.expect_push(
+                self.consumer.engine_id, request_id + "-d", [list(d_blocks)], target, transfer_id=transfer_id
+            )
+        self.producer.client.submit_blocks(
+            self.producer.engine_id, request_id, [list(p_blocks)], transfer_id=transfer_id,
+            mode=common_pb2.TRANSFER_MODE_PUSH if mode == "push" else common_pb2.TRANSFER_MODE_PULL,
+        )  # fmt: skip
+        if mode == "pull":
+            self.consumer.client.pull(self.consumer.engine_id, request_id + "-d", [list(d_blocks)], target)
+        time.sleep(delay)
+        self.consumer.client.release(self.consumer.engine_id, request_id + "-d", reason="aborted by the workload")
+        try:
+            event = sent.result(self.request_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferFailed(f"{request_id}: the producer never ended the aborted request") from None
+        finally:
+            with self._lock:
+                self._waiters.pop(("P", request_id), None)
+        return engine_pb2.EventKind.Name(event.kind)
+
+    def expire(self, p_blocks: Sequence[int], lease_seconds: float) -> str:
+        """The producer submits and no consumer ever comes: the lease must end the request."""
+        assert self.producer is not None
+        request_id = f"expire-{next(self._ids)}"
+        sent = self._expect("P", request_id)
+        self.producer.client.submit_blocks(
+            self.producer.engine_id, request_id, [list(p_blocks)], lease_seconds=lease_seconds
+        )
+        try:
+            event = sent.result(self.request_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferFailed(f"{request_id}: the lease never ended the request") from None
+        finally:
+            with self._lock:
+                self._waiters.pop(("P", request_id), None)
+        return engine_pb2.EventKind.Name(event.kind)
 
     # --- data ----------------------------------------------------------------------------------
 

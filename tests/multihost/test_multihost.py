@@ -21,9 +21,9 @@ import pytest
 
 from kvsidecar.v1 import common_pb2, engine_pb2_grpc
 from tests.multihost.conftest import PEER_PORT, Cluster
+from tests.support.pki import make_pki, tls_args
 from tests.support.processes import EngineProcess
 from tests.test_pull import kv
-from tests.test_tls import make_pki, tls_args
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

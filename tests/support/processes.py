@@ -135,6 +135,7 @@ class EngineProcess:
             except ValueError:
                 continue
             if "event" in message:
+                message["received_at"] = time.monotonic()  # when the test process read it
                 with self._events_lock:
                     self.events.append(message)
                     self._events_lock.notify_all()
