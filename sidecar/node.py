@@ -31,7 +31,14 @@ from sidecar.cache_index import CacheIndex, HeldBlocks
 from sidecar.config import Settings
 from sidecar.consumer import ConsumerSide
 from sidecar.dataplane import DataPlane, EngineView
-from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from sidecar.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from sidecar.logs import get_logger
 from sidecar.memory import MappedMemory, MemoryImporter
 from sidecar.metrics import SidecarMetrics
@@ -307,7 +314,7 @@ class Node:
         self.producer.drop_engine(engine_id, f"worker {worker.worker_id} {reason}")
         self.consumer.drop_engine(engine_id, f"worker {worker.worker_id} {reason}")
         for key in self.cache.keys_of_engine(engine_id):
-            self.cache.remove(key)
+            self.cache_release(key, "engine_gone")
         released = before - len(self.producer.requests) - len(self.consumer.requests)
         # Transfers that touch this worker's memory must end before the memory is revoked; the
         # transport's deadlines bound the wait.
@@ -416,20 +423,67 @@ class Node:
         return engine_pb2.ReleaseResponse(found=consumer is not None or producer, peer_notified=consumer is not None)
 
     async def query_cache(self, request: engine_pb2.QueryCacheRequest) -> engine_pb2.QueryCacheResponse:
+        """Ask one sidecar (``address``; empty: this one) or, with ``known_peers``, this sidecar and
+        every peer it knows at once, each bounded by ``timeout_seconds``: a peer that fails or is
+        late is listed in ``unreachable``, never waited for past the bound."""
         validation.identifier(request.engine_id, "engine_id")
-        if not request.conversation_id and not request.request_id:
-            raise InvalidArgument("conversation_id", "conversation_id or request_id is required")
+        validation.identifier(request.conversation_id, "conversation_id", required=False)
+        validation.identifier(request.request_id, "request_id", required=False)
+        hashes = validation.block_hashes(request.block_hashes, "block_hashes", self.settings.max_blocks_per_request)
+        if not request.conversation_id and not request.request_id and not hashes:
+            raise InvalidArgument("conversation_id", "conversation_id, request_id or block_hashes is required")
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", self.settings.peer_call_timeout_seconds, maximum=600.0
+        )
         peer_request = peer_pb2.PeerQueryCacheRequest(
             caller_sidecar_id=self.sidecar_id,
             conversation_id=request.conversation_id,
             request_id=request.request_id,
+            block_hashes=hashes,
         )
-        response = await self.peers.call(request.address, "QueryCache", peer_request)
-        return engine_pb2.QueryCacheResponse(entries=response.entries)
+        addresses = ["", *self.peers.known_addresses()] if request.known_peers else [request.address]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(self.peers.call(address, "QueryCache", peer_request), timeout) for address in addresses),
+            return_exceptions=True,
+        )
+        entries: list[engine_pb2.CacheEntry] = []
+        unreachable: list[str] = []
+        for address, answer in zip(addresses, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not request.known_peers:
+                    if isinstance(answer, TimeoutError):
+                        raise DeadlineExceeded(f"peer {address}: no cache answer within {timeout:g}s")
+                    raise answer
+                log.info("cache_query_unanswered", peer=address, error=repr(answer))
+                unreachable.append(address)
+                continue
+            entries.extend(answer.entries)
+        entries.sort(key=lambda entry: (entry.matched_blocks, entry.expires_in_seconds), reverse=True)
+        self._count_lookup(entries, bool(hashes), unreachable, request.engine_id)
+        return engine_pb2.QueryCacheResponse(entries=entries, unreachable=unreachable)
+
+    def _count_lookup(
+        self, entries: list[engine_pb2.CacheEntry], by_hash: bool, unreachable: list[str], engine_id: str
+    ) -> None:
+        """Lookup outcome metrics on the asking side: hits (and the tokens they cover), misses by reason."""
+        best = entries[0] if entries else None
+        if best is not None and (best.matched_blocks or not by_hash):
+            self.metrics.cache_lookups.labels(outcome="hit").inc()
+            engine = self.registry.engines.get(engine_id)
+            block_size = engine.ordered_workers()[0].layout.block_size if engine and engine.workers else 0
+            self.metrics.cache_matched_tokens.inc(best.matched_blocks * block_size if by_hash else best.num_tokens)
+            return
+        if best is not None:
+            reason = "prefix_mismatch"
+        elif unreachable:
+            reason = "peer_unreachable"
+        else:
+            reason = "no_hold"
+        self.metrics.cache_lookups.labels(outcome=reason).inc()
 
     # --- cache index --------------------------------------------------------------------------
 
-    def cache_hold(self, pending: ProducerRequest, conversation_id: str) -> None:
+    def cache_hold(self, pending: ProducerRequest, conversation_id: str, block_hashes: tuple[bytes, ...]) -> None:
         """Index held blocks for cache queries; the producer lease (the hold TTL) expires them."""
         entry = HeldBlocks(
             pending.engine_id,
@@ -438,13 +492,19 @@ class Node:
             pending.block_ids,
             pending.num_tokens,
             time.monotonic(),
+            block_hashes,
         )
         self.cache.hold(entry)
-        self.metrics.held_requests.set(len(self.cache))
+        self._update_hold_gauges()
 
-    def cache_release(self, key: tuple[str, str]) -> None:
-        self.cache.remove(key)
+    def cache_release(self, key: tuple[str, str], why: str) -> None:
+        if self.cache.remove(key) is not None:
+            self.metrics.hold_releases.labels(reason=why).inc()
+        self._update_hold_gauges()
+
+    def _update_hold_gauges(self) -> None:
         self.metrics.held_requests.set(len(self.cache))
+        self.metrics.held_blocks.set(self.cache.held_blocks)
 
     # --- PeerService --------------------------------------------------------------------------
 
@@ -494,11 +554,15 @@ class Node:
         return await self.producer.handle_heartbeat(request)
 
     async def handle_query_cache(self, request: peer_pb2.PeerQueryCacheRequest) -> peer_pb2.PeerQueryCacheResponse:
-        if not request.conversation_id and not request.request_id:
-            raise InvalidArgument("conversation_id", "conversation_id or request_id is required")
+        validation.identifier(request.conversation_id, "conversation_id", required=False)
+        validation.identifier(request.request_id, "request_id", required=False)
+        hashes = validation.block_hashes(request.block_hashes, "block_hashes", self.settings.max_blocks_per_request)
+        if not request.conversation_id and not request.request_id and not hashes:
+            raise InvalidArgument("conversation_id", "conversation_id, request_id or block_hashes is required")
         now = time.monotonic()
         entries = []
-        for held in self.cache.query(request.conversation_id, request.request_id, request.engine_id):
+        for match in self.cache.query(request.conversation_id, request.request_id, request.engine_id, hashes):
+            held = match.entry
             engine = self.registry.engines.get(held.engine_id)
             deadline = self.producer.leases.deadline((held.engine_id, held.request_id))
             entries.append(
@@ -513,6 +577,8 @@ class Node:
                     expires_in_seconds=max(0.0, deadline - now) if deadline is not None else 0.0,
                     address=self.advertise_address,
                     tp_size=engine.tp_size if engine else 0,
+                    block_hashes=held.block_hashes,
+                    matched_blocks=match.matched_blocks,
                 )
             )
         return peer_pb2.PeerQueryCacheResponse(sidecar_id=self.sidecar_id, entries=entries)
@@ -599,6 +665,7 @@ class Node:
             unmatched_submissions=self.producer.matcher.unmatched_submissions,
             pending_receives=len(self.consumer.requests),
             held_requests=len(self.cache),
+            held_blocks=self.cache.held_blocks,
             draining=self.draining,
         )
         if request.include_requests:

@@ -182,11 +182,19 @@ class PeerDirectory:
         if names:
             await self._on_peer_restart(address, names)
 
+    def known_addresses(self) -> list[str]:
+        """Peer sidecars we called or that called us (multi-turn cache queries ask them all)."""
+        return [state.address for key, state in sorted(self._peers.items()) if key and not self.is_self(key)]
+
     async def note_caller(self, info: common_pb2.SidecarInfo) -> None:
-        """An incoming call names its sidecar: drop our cache of it if it restarted since."""
+        """An incoming call names its sidecar: remember it as a known peer, and drop our cache of
+        it if it restarted since."""
         if info.address and info.sidecar_id and not self.is_self(info.address):
             state = self._peers.get(self._key(info.address))
-            if state is not None and state.sidecar_id and state.sidecar_id != info.sidecar_id:
+            if state is None:
+                self._state(info.address).sidecar_id = info.sidecar_id
+                return
+            if state.sidecar_id and state.sidecar_id != info.sidecar_id:
                 log.warning(
                     "peer_restarted", peer=info.address, old_sidecar_id=state.sidecar_id, new_sidecar_id=info.sidecar_id
                 )

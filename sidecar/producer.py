@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
-from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
+from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SidecarError
 from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.notices import NoticeTally
@@ -51,6 +51,9 @@ class ProducerRequest:
     writing: bool = False
     lease_ended: bool = False
     held: bool = False
+    # Held blocks: until when (monotonic) a consumer's heartbeat says it reads them; the hold cap
+    # does not release them before.
+    reading_until: float = 0.0
     bytes_moved: int = 0
 
     @property
@@ -121,12 +124,17 @@ class ProducerSide:
         return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=matched)
 
     async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
-        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn)."""
+        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn).
+
+        The engine's holds may occupy at most ``hold_max_share`` of its blocks: past that the
+        oldest holds nobody is reading are released first (LEASE_EXPIRED gives the engine its
+        blocks back); a hold larger than the whole share is refused (RESOURCE_EXHAUSTED)."""
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.conversation_id, "conversation_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
+        hashes = validation.block_hashes(request.block_hashes, "block_hashes", len(blocks[0]) if blocks else 0)
         ttl = validation.duration(request.ttl_seconds, "ttl_seconds", node.settings.hold_ttl_seconds)
         engine = node.registry.require_engine(request.engine_id, "engine_id")
         self._check_blocks(engine, blocks, "block_ids")
@@ -134,6 +142,7 @@ class ProducerSide:
         if key in self.requests:
             raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
         node.check_capacity(len(self.requests))
+        released = self._make_room(engine, sum(len(group) for group in blocks))
         pending = ProducerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -145,8 +154,39 @@ class ProducerSide:
             held=True,
         )
         self._add(pending)
-        node.cache_hold(pending, request.conversation_id)
-        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl)
+        node.cache_hold(pending, request.conversation_id, hashes)
+        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl, released_holds=released)
+
+    def _make_room(self, engine: Engine, wanted: int) -> int:
+        """Release the engine's oldest holds until ``wanted`` more blocks fit in its share;
+        returns how many were released. Holds a consumer is reading (its heartbeat pinned them)
+        are skipped: their blocks may be under a NIXL READ."""
+        node = self._node
+        share = node.settings.hold_max_share
+        cap = int(share * engine.num_blocks // max(1, engine.physical_per_logical))
+        if wanted > cap:
+            node.metrics.hold_releases.labels(reason="refused_over_cap").inc()
+            raise ResourceExhausted(
+                f"block_ids: {wanted} blocks exceed the hold cap of engine {engine.engine_id!r} "
+                f"({share:g} of its blocks = {cap}); the engine keeps them"
+            )
+        released = 0
+        now = time.monotonic()
+        for held in node.cache.oldest_of_engine(engine.engine_id):
+            if node.cache.blocks_of_engine(engine.engine_id) + wanted <= cap:
+                break
+            pending = self.requests.get((held.engine_id, held.request_id))
+            if pending is None or pending.reading_until > now:
+                continue
+            log.info("hold_released_for_room", engine_id=engine.engine_id, request_id=pending.request_id, cap=cap)
+            reason = f"hold cap ({share:g} of the engine's blocks): released for a newer hold"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="cap")
+            released += 1
+        if node.cache.blocks_of_engine(engine.engine_id) + wanted > cap:
+            raise ResourceExhausted(
+                f"block_ids: the hold cap of engine {engine.engine_id!r} ({cap} blocks) is taken by holds being read"
+            )
+        return released
 
     def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> bool:
         """The local engine aborts or frees a request. Returns False if nothing was known of it."""
@@ -235,8 +275,10 @@ class ProducerSide:
                 raise InvalidArgument(f"requests[{index}]", "names no request")
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None:
-                if not pending.held:
-                    self.leases.extend(pending.key, now + extension)
+                # A held request too: its consumer is about to read it (multi-turn), so neither
+                # its TTL nor the hold cap may end it meanwhile.
+                self.leases.extend(pending.key, now + extension)
+                pending.reading_until = now + extension
                 continue
             if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
                 continue  # a push registration still waiting for its blocks
@@ -281,7 +323,7 @@ class ProducerSide:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
-            self._finish(pending, engine_pb2.FINISHED_SENDING)
+            self._finish(pending, engine_pb2.FINISHED_SENDING, hold_end="read")
         return True
 
     # --- push ---------------------------------------------------------------------------------
@@ -385,7 +427,8 @@ class ProducerSide:
                 notifications=pending.notices.total,
                 what=what,
             )
-            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=f"{what} of {pending.lease_seconds:g}s expired")
+            reason = f"{what} of {pending.lease_seconds:g}s expired"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="ttl")
 
     def _on_registrations_expired(self, keys: list[tuple[str, str]]) -> None:
         for key in keys:
@@ -396,7 +439,7 @@ class ProducerSide:
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
             if not pending.writing:
-                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
             else:
                 pending.lease_ended = True
         for registration in self.matcher.registrations():
@@ -422,7 +465,9 @@ class ProducerSide:
             self._node.transport.expect_notifications(1)
         self._node.metrics.leases.set(len(self.leases))
 
-    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "") -> None:
+    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
+        """End a request: its engine gets FINISHED_SENDING / LEASE_EXPIRED. ``hold_end`` labels why
+        a held request ended (metrics: read, ttl, cap, released, engine_gone)."""
         if self.requests.pop(pending.key, None) is None:
             return
         if pending.transfer_id:
@@ -432,7 +477,7 @@ class ProducerSide:
         if pending.accepts_pull:
             self._node.transport.expect_notifications(-1)
         if pending.held:
-            self._node.cache_release(pending.key)
+            self._node.cache_release(pending.key, hold_end)
         self._node.metrics.leases.set(len(self.leases))
         self._update_gauges()
         self._node.emit(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvsidecar.v1 import common_pb2, engine_pb2
@@ -43,6 +43,20 @@ def block_ids(message: common_pb2.GroupedBlockIds, field: str, max_blocks: int, 
     if total > max_blocks:
         raise InvalidArgument(field, f"lists {total} blocks, more than the limit of {max_blocks}")
     return tuple(tuple(group.ids) for group in message.groups)
+
+
+# A block hash is a digest (vLLM: 32-byte sha256, or 8-16 bytes for xxhash/cbor variants).
+MAX_BLOCK_HASH_BYTES = 64
+
+
+def block_hashes(values: Sequence[bytes], field: str, max_count: int) -> tuple[bytes, ...]:
+    """Content hashes of leading blocks: at most ``max_count``, each 1-64 bytes."""
+    if len(values) > max_count:
+        raise InvalidArgument(field, f"lists {len(values)} hashes, more than the {max_count} blocks it describes")
+    for index, value in enumerate(values):
+        if not 0 < len(value) <= MAX_BLOCK_HASH_BYTES:
+            raise InvalidArgument(f"{field}[{index}]", f"must be 1-{MAX_BLOCK_HASH_BYTES} bytes, not {len(value)}")
+    return tuple(values)
 
 
 def duration(value: float, field: str, default: float, maximum: float = 86400.0) -> float:
