@@ -23,6 +23,14 @@ Every dispatch gets a fresh ``transfer_id`` (the sidecars' primary match key) an
 the same ``X-Request-Id``. Engines are picked round-robin. If P returns no parameters (its sidecar
 was down), D gets a plain request and computes the prompt itself.
 
+Multi-turn chats (engines started with ``"multi_turn": true``): the proxy keeps no state. A client
+may name its conversation with a top-level ``conversation_id`` (as vLLM's multi-turn proxy
+expects); it is removed from the body and passed to both legs in ``kv_transfer_params``. D then
+holds each finished turn under that id, and on the next turn P's sidecar finds it on D's sidecar
+and P loads the history instead of computing it. Without an id P finds the hold by its prompt's
+block hashes among the sidecars its own sidecar knows. Either way only the prefix whose block
+hashes match is reused, so a client that edits the history gets correct answers.
+
 Run: ``python examples/pd_proxy.py --prefill http://p:8100 --decode http://d:8200 --port 8000``.
 Threads: one asyncio loop (aiohttp server and client); nothing blocks it.
 """
@@ -87,7 +95,7 @@ class LegError(Exception):
         self.body = body
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, mode: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str, mode: str, conversation_id: str = "") -> dict[str, Any]:
     """The prefill leg: one token, no stream, and the request to keep the KV for a decoder."""
     leg = copy.deepcopy(body)
     leg["max_tokens"] = 1
@@ -105,16 +113,30 @@ def prefill_body(body: dict[str, Any], transfer_id: str, mode: str) -> dict[str,
         "transfer_id": transfer_id,
         "transfer_mode": mode,
     }
+    if conversation_id:
+        leg["kv_transfer_params"]["conversation_id"] = conversation_id
     return leg
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(
+    body: dict[str, Any], kv_transfer_params: dict[str, Any] | None, conversation_id: str = ""
+) -> dict[str, Any]:
     leg = copy.deepcopy(body)
-    if kv_transfer_params:
-        leg["kv_transfer_params"] = kv_transfer_params
+    params = dict(kv_transfer_params or {})
+    if conversation_id:
+        params["conversation_id"] = conversation_id  # D holds the finished turn under it
+    if params:
+        leg["kv_transfer_params"] = params
     else:
         leg.pop("kv_transfer_params", None)  # the decoder computes the prompt itself
     return leg
+
+
+def take_conversation_id(body: dict[str, Any]) -> str:
+    """The client's top-level ``conversation_id`` (vLLM's multi-turn proxy convention), removed
+    from the body the engines see; ``""`` if there is none."""
+    value = body.pop("conversation_id", None)
+    return str(value) if value else ""
 
 
 def concurrent_push_params(prefill: Prefill, transfer_id: str) -> dict[str, Any]:
@@ -183,15 +205,16 @@ class Proxy:
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object"}, status=400)
         path = request.path
+        conversation_id = take_conversation_id(body)
         prefill, decode = self.config.pick()
         transfer_id = uuid.uuid4().hex
         request_id = request.headers.get("X-Request-Id") or f"pd-{transfer_id}"
         mode = self.config.mode
-        prefill_leg = prefill_body(body, transfer_id, mode)
+        prefill_leg = prefill_body(body, transfer_id, mode, conversation_id)
         try:
             if self.config.concurrent:
                 return await self._concurrent(
-                    request, body, prefill, decode, path, transfer_id, request_id, prefill_leg
+                    request, body, prefill, decode, path, transfer_id, request_id, prefill_leg, conversation_id
                 )
             answer = await self._post_json(f"{prefill.url}{path}", prefill_leg, request_id)
             params = answer.get("kv_transfer_params")
@@ -199,7 +222,8 @@ class Proxy:
                 params.setdefault("transfer_id", transfer_id)
             else:
                 log.warning("prefill %s returned no kv_transfer_params; the decoder computes the prompt", prefill.url)
-            return await self._decode(request, f"{decode}{path}", decode_body(body, params), request_id)
+            leg = decode_body(body, params, conversation_id)
+            return await self._decode(request, f"{decode}{path}", leg, request_id)
         except LegError as exc:
             return web.Response(body=exc.body, status=exc.status, content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -216,8 +240,9 @@ class Proxy:
         transfer_id: str,
         request_id: str,
         prefill_leg: dict[str, Any],
+        conversation_id: str,
     ) -> web.StreamResponse:
-        decode_leg = decode_body(body, concurrent_push_params(prefill, transfer_id))
+        decode_leg = decode_body(body, concurrent_push_params(prefill, transfer_id), conversation_id)
         # The decode leg starts first so its blocks are registered when P finishes; it cannot
         # produce a token before P's KV arrived, so nothing reaches the client before P answered.
         ready = asyncio.Event()
@@ -231,7 +256,8 @@ class Proxy:
             log.warning("prefill leg of %s failed (%r); the decoder computes the prompt", request_id, exc)
             decoding.cancel()  # closes the connection: vLLM aborts it, the sidecar releases it
             await asyncio.gather(decoding, return_exceptions=True)
-            return await self._decode(request, f"{decode}{path}", decode_body(body, None), request_id)
+            plain = decode_body(body, None, conversation_id)
+            return await self._decode(request, f"{decode}{path}", plain, request_id)
         return await decoding
 
     async def _decode(
