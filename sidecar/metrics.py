@@ -122,7 +122,8 @@ class SidecarMetrics:
         self.hold_releases = Counter(
             "kvsidecar_hold_releases_total",
             "Holds ended, by reason: read (a peer pulled them), ttl, cap (released for a newer hold), "
-            "refused_over_cap, released (by the engine), engine_gone.",
+            "superseded (the conversation's next turn is held), refused_over_cap, released (by the engine), "
+            "engine_gone.",
             ["reason"],
             registry=r,
         )

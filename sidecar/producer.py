@@ -142,6 +142,8 @@ class ProducerSide:
         if key in self.requests:
             raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
         node.check_capacity(len(self.requests))
+        if request.conversation_id:
+            self._release_superseded(request.engine_id, request.conversation_id)
         released = self._make_room(engine, sum(len(group) for group in blocks))
         pending = ProducerRequest(
             engine_id=request.engine_id,
@@ -156,6 +158,16 @@ class ProducerSide:
         self._add(pending)
         node.cache_hold(pending, request.conversation_id, hashes)
         return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl, released_holds=released)
+
+    def _release_superseded(self, engine_id: str, conversation_id: str) -> None:
+        """A conversation's new turn supersedes the engine's earlier holds for it (a later turn's
+        KV extends the earlier one's); those nobody reads are released now, not at their TTL."""
+        now = time.monotonic()
+        for match in self._node.cache.query(conversation_id=conversation_id, engine_id=engine_id):
+            pending = self.requests.get((engine_id, match.entry.request_id))
+            if pending is not None and pending.reading_until <= now:
+                reason = "superseded by the conversation's next turn"
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
 
     def _make_room(self, engine: Engine, wanted: int) -> int:
         """Release the engine's oldest holds until ``wanted`` more blocks fit in its share;

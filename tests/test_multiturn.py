@@ -185,3 +185,15 @@ def test_hold_and_query_reject_bad_hashes(sidecars, engines) -> None:
     nothing = decode.command("query")
     assert not nothing["ok"] and "INVALID_ARGUMENT" in nothing["error"]
     assert decode.command("query", conversation_id="x")["entries"] == []  # nothing was held
+
+
+def test_a_conversation_s_next_turn_supersedes_its_earlier_hold(sidecars, engines) -> None:
+    side = sidecars("d")
+    decode = engines(side, "D", "both")
+    assert decode.command("hold", request_id="turn1", blocks=[[1, 2]], conversation_id="conv")["ok"]
+    assert decode.command("hold", request_id="other", blocks=[[3]], conversation_id="another")["ok"]
+    assert decode.command("hold", request_id="turn2", blocks=[[4, 5, 6]], conversation_id="conv")["ok"]
+    [event] = decode.wait_event("turn1", 10)
+    assert event["event"] == "FINISHED_SENDING" and "superseded" in event["reason"], event
+    assert [e["request_id"] for e in decode.command("query", conversation_id="conv")["entries"]] == ["turn2"]
+    assert decode.events_for("other") == []
