@@ -126,7 +126,7 @@ class Setup:
 
     def p_counts(self) -> tuple[float, float, float]:
         text = _scrape(f"{self.prefill.url}/metrics")
-        name = "vllm:prompt_tokens_by_source"
+        name = "vllm:prompt_tokens_by_source_total"  # a Prometheus counter: _total
         reads = _sum(_scrape(f"http://127.0.0.1:{self.a_metrics}/metrics"), "kvsidecar_transfer_bytes_total", "READ")
         return _sum(text, name, 'source="external_kv_transfer"'), _sum(text, name, 'source="local_compute"'), reads
 
