@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm clean
+.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ bench: setup
 bench-vllm: setup
 	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
 	$(PY) -m bench.vllm_pd --json bench/out/vllm_pd.json
+
+# Multi-turn reuse: P's TTFT at turn 2 loading the history from D vs recomputing it (bench/README.md).
+bench-multiturn: setup
+	$(PY) -m bench.multiturn --json bench/out/multiturn.json --png bench/out/multiturn.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -20,7 +20,8 @@ decode engine D. With ``"multi_turn": true`` in ``kv_connector_extra_config``:
   history reuses the common prefix only), beyond what P's prefix cache already has, and only if
   that is at least ``kv_recompute_threshold`` tokens and the hold does not expire within
   ``multi_turn_expiry_margin`` seconds. The load is a ``Pull`` from D's sidecar into P's new
-  blocks; a hold released meanwhile fails it explicitly and vLLM recomputes.
+  blocks; a hold released meanwhile fails it explicitly and vLLM recomputes. A router opts one
+  request out with ``"multi_turn": false`` in its ``kv_transfer_params``.
 
 Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With the default
 ``prefix_caching_hash_algo`` (sha256) they are seeded identically in every process; with a
@@ -268,6 +269,9 @@ class MultiTurn:
         params = request.kv_transfer_params or {}
         if params.get("_multiturn_loaded"):
             return 0, False  # rescheduled (preempted) after its load: vLLM's re-entry guard
+        if params.get("multi_turn") is False:
+            self.outcomes["disabled"] += 1  # the router opted this request out
+            return 0, False
         request_id = request.request_id
         lookup = self._lookups.get(request_id)
         if lookup is None:

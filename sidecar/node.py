@@ -442,6 +442,7 @@ class Node:
             block_hashes=hashes,
         )
         addresses = ["", *self.peers.known_addresses()] if request.known_peers else [request.address]
+        started = time.monotonic()
         answers = await asyncio.gather(
             *(asyncio.wait_for(self.peers.call(address, "QueryCache", peer_request), timeout) for address in addresses),
             return_exceptions=True,
@@ -457,8 +458,19 @@ class Node:
                 log.info("cache_query_unanswered", peer=address, error=repr(answer))
                 unreachable.append(address)
                 continue
+            for entry in answer.entries:
+                cached = self.peers.cached_generation(entry.address, entry.engine_id)
+                if cached is not None and entry.engine_generation and cached != entry.engine_generation:
+                    await self.peers.forget_engine(entry.address, entry.engine_id, "engine re-registered")
             entries.extend(answer.entries)
         entries.sort(key=lambda entry: (entry.matched_blocks, entry.expires_in_seconds), reverse=True)
+        log.debug(
+            "cache_query_answered",
+            peers=len(addresses),
+            entries=len(entries),
+            matched_blocks=entries[0].matched_blocks if entries else 0,
+            ms=round((time.monotonic() - started) * 1000.0, 2),
+        )
         self._count_lookup(entries, bool(hashes), unreachable, request.engine_id)
         return engine_pb2.QueryCacheResponse(entries=entries, unreachable=unreachable)
 
@@ -579,6 +591,7 @@ class Node:
                     tp_size=engine.tp_size if engine else 0,
                     block_hashes=held.block_hashes,
                     matched_blocks=match.matched_blocks,
+                    engine_generation=engine.generation if engine else "",
                 )
             )
         return peer_pb2.PeerQueryCacheResponse(sidecar_id=self.sidecar_id, entries=entries)

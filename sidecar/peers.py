@@ -193,6 +193,9 @@ class PeerDirectory:
             state = self._peers.get(self._key(info.address))
             if state is None:
                 self._state(info.address).sidecar_id = info.sidecar_id
+                # Connect now: the first call to a new peer (a multi-turn cache query, bounded to a
+                # few ms) should not pay for the connection.
+                self._channel(info.address)[0].get_state(try_to_connect=True)
                 return
             if state.sidecar_id and state.sidecar_id != info.sidecar_id:
                 log.warning(

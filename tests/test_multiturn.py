@@ -197,3 +197,28 @@ def test_a_conversation_s_next_turn_supersedes_its_earlier_hold(sidecars, engine
     assert event["event"] == "FINISHED_SENDING" and "superseded" in event["reason"], event
     assert [e["request_id"] for e in decode.command("query", conversation_id="conv")["entries"]] == ["turn2"]
     assert decode.events_for("other") == []
+
+
+def test_p_reads_from_a_holder_that_restarted_under_the_same_engine_id(sidecars, engines) -> None:
+    p_side, d_side = sidecars("p"), sidecars("d")
+    prefill = engines(p_side, "P", "both")
+    first = engines(d_side, "D", "both")
+    assert first.command("hold", request_id="t1", blocks=[[4, 5]], conversation_id="conv")["ok"]
+    [entry] = prefill.command("query", address=first.peer_address, conversation_id="conv")["entries"]
+    remote = {"address": entry["address"], "engine_id": "D", "request_id": "t1", "blocks": [[4, 5]]}
+    assert prefill.command("pull", request_id="p1", blocks=[[1, 2]], remote=remote)["ok"]
+    assert prefill.wait_event("p1", 10)[0]["event"] == "FINISHED_RECEIVING"  # P's sidecar cached D's handshake
+    first.kill()
+    with SidecarClient(d_side.socket, timeout=5.0) as client:
+        wait_until(lambda: not client.status().engines, 10, what="D dropped")
+    second = engines(d_side, "D", "both")  # D restarted: same id, new agents
+    assert second.command("fill", blocks=[6, 7], seed=9)["ok"]
+    assert second.command("hold", request_id="t2", blocks=[[6, 7]], conversation_id="conv")["ok"]
+    # The answer names D's new generation: P's sidecar drops its stale handshake, so the read goes
+    # to the new agents instead of failing against the old ones.
+    [entry] = prefill.command("query", conversation_id="conv", known_peers=True, timeout_seconds=5.0)["entries"]
+    remote = {"address": entry["address"], "engine_id": "D", "request_id": "t2", "blocks": [[6, 7]]}
+    assert prefill.command("pull", request_id="p2", blocks=[[8, 9]], remote=remote)["ok"]
+    [event] = prefill.wait_event("p2", 15)
+    assert event["event"] == "FINISHED_RECEIVING", event
+    assert np.array_equal(kv(second.buffers[0], 2, 64, 4096)[:, [6, 7]], kv(prefill.buffers[0], 2, 64, 4096)[:, [8, 9]])

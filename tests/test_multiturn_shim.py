@@ -156,6 +156,9 @@ def test_a_lookup_that_outlives_its_bound_lets_p_compute(sidecars, engines) -> N
             assert prefill.matched_tokens(request, 0) == (0, False)
         assert prefill.outcomes["timeout"] == 1
         assert prefill.take_load(request, 0) is None
+        # A request the router opted out is not asked about either.
+        opted_out = vllm_request("out", list(range(300, 300 + 5 * BS)), {"do_remote_decode": True, "multi_turn": False})
+        assert prefill.matched_tokens(opted_out, 0) == (0, False) and prefill.outcomes["disabled"] == 1
         # A prompt too short to be worth asking about is not asked about.
         short = vllm_request("short", list(range(10, 10 + 2 * BS)), {"do_remote_decode": True})
         assert prefill.matched_tokens(short, 0) == (0, False) and prefill.outcomes["below_threshold"] == 1

@@ -279,7 +279,7 @@ class QueryCacheRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., known_peers: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class CacheEntry(_message.Message):
-    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "expires_in_seconds", "address", "tp_size", "block_hashes", "matched_blocks")
+    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "expires_in_seconds", "address", "tp_size", "block_hashes", "matched_blocks", "engine_generation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class CacheEntry(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     conversation_id: str
@@ -300,7 +301,8 @@ class CacheEntry(_message.Message):
     tp_size: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     matched_blocks: int
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., address: _Optional[str] = ..., tp_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., matched_blocks: _Optional[int] = ...) -> None: ...
+    engine_generation: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., address: _Optional[str] = ..., tp_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., matched_blocks: _Optional[int] = ..., engine_generation: _Optional[str] = ...) -> None: ...
 
 class QueryCacheResponse(_message.Message):
     __slots__ = ("entries", "unreachable")
