@@ -58,34 +58,65 @@ def _add_serve(subparsers: Any) -> None:
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set a.b=v`` items as nested overrides; raises ConfigError for one without NAME=."""
+    from sidecar.config import ConfigError
+
     overrides: dict[str, Any] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"kvsidecar: --set expects NAME=VALUE, got {item!r}")
-        target = overrides
         parts = name.split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"--set expects NAME=VALUE (e.g. --set nixl.backends=UCX), got {item!r}")
+        target = overrides
         for part in parts[:-1]:
-            target = target.setdefault(part, {})
+            nested = target.setdefault(part, {})
+            if not isinstance(nested, dict):
+                raise ConfigError(f"--set {name}: {part} is not a group of settings")
+            target = nested
         target[parts[-1]] = value
     return overrides
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from sidecar.config import ConfigError, load_settings
-    from sidecar.logs import configure_logging
+def _check_backends(backends: list[str]) -> None:
+    """Raise ConfigError unless NIXL offers every configured backend."""
+    from sidecar.config import ConfigError
+    from sidecar.transport import NixlUnavailable, available_backends
 
-    overrides = _parse_sets(args.set)
-    for flag, (setting, _, _) in _SERVE_FLAGS.items():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if value is not None:
-            overrides[setting] = value
     try:
+        offered = available_backends()
+    except NixlUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    missing = [name for name in backends if name not in offered]
+    if missing:
+        raise ConfigError(
+            f"invalid setting 'nixl.backends' (got {backends!r}): NIXL offers no backend {', '.join(missing)}; "
+            f"it offers {', '.join(offered)} [from --set nixl.backends=..., KVSIDECAR_NIXL__BACKENDS or --config]"
+        )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from sidecar.config import ConfigError, load_settings, unknown_env_variables
+    from sidecar.logs import configure_logging, get_logger
+
+    try:
+        overrides = _parse_sets(args.set)
+        for flag, (setting, _, _) in _SERVE_FLAGS.items():
+            value = getattr(args, flag.lstrip("-").replace("-", "_"))
+            if value is not None:
+                overrides[setting] = value
         settings = load_settings(overrides, args.config)
+        _check_backends(settings.nixl.backends)
     except ConfigError as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    for variable, closest in unknown_env_variables(os.environ):
+        # Likely a typo: say so rather than run with the default the operator meant to change.
+        get_logger("kvsidecar.config").warning(
+            "unknown_environment_variable", variable=variable, closest_setting=closest, hint="no setting reads it"
+        )
     from sidecar.server import exit_with_parent, serve
 
     if args.parent_pid is not None:

@@ -1,25 +1,34 @@
 """Settings of the daemon: embedded defaults, overridden by an optional TOML file, then by
 ``KVSIDECAR_*`` environment variables, then by command-line flags (flags win).
 
-Everything is validated once at start; a bad value raises ``ConfigError`` naming the setting and
-where it came from. Nothing here does I/O beyond reading the TOML file.
+Every source goes through the same pydantic model, so a value is checked the same way whether it
+came from the file, the environment or a flag; list settings take a JSON list or a comma-separated
+string from the environment and ``--set``. Everything is validated once at start; a bad value raises
+``ConfigError`` naming the setting and where it came from. I/O here: reading the TOML file and
+checking that ``shm_dirs`` are directories (the NIXL backends are checked by the CLI, which can
+load NIXL).
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import json
 import os
 import tempfile
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 ENV_PREFIX = "KVSIDECAR_"
@@ -59,10 +68,26 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def _split_list(value: Any) -> Any:
+    """A list setting given as text (environment, --set): a JSON list or comma-separated items."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ValueError(f"is not a JSON list: {value!r}") from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 class NixlSettings(BaseModel):
     """How the sidecar drives NIXL."""
 
-    backends: list[str] = Field(default_factory=lambda: ["UCX"])
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # NIXL backend plugins per agent; at least one (the CLI checks NIXL offers them).
+    backends: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["UCX"], min_length=1)
     # UCX worker threads per agent (0 = NIXL's default).
     num_threads: int = Field(default=0, ge=0, le=64)
     # "peer" detects dead peers and is required across hosts; "none" makes same-host notifications
@@ -79,12 +104,21 @@ class NixlSettings(BaseModel):
     probe_interval_seconds: float = Field(default=5.0, ge=0.0, le=3600.0)
     stall_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends_list(cls, value: Any) -> Any:
+        return _split_list(value)
+
 
 class Settings(BaseSettings):
     """All settings of ``kvsidecar serve``. Durations are seconds."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        allow_inf_nan=False,
     )
 
     # Unix socket of EngineService (created with mode 0600; its directory 0700 if created).
@@ -126,7 +160,7 @@ class Settings(BaseSettings):
     # Graceful shutdown: in-flight calls and transfers get this long before the daemon exits.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0.0, le=3600.0)
     # Directories from which shared-memory files may be mapped.
-    shm_dirs: list[Path] = Field(default_factory=lambda: [Path("/dev/shm")])
+    shm_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path("/dev/shm")], min_length=1)
     # Largest gRPC message accepted or sent.
     max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024 * 1024, le=1024 * 1024 * 1024)
     # Events buffered per worker before its stream is considered stuck and closed.
@@ -134,6 +168,12 @@ class Settings(BaseSettings):
     # Limits against hostile or broken clients.
     max_blocks_per_request: int = Field(default=1 << 20, ge=1)
     max_pending_requests: int = Field(default=100_000, ge=1)
+    # Engines registered at once, and workers (TP x PP ranks) per engine; RegisterWorker beyond is
+    # RESOURCE_EXHAUSTED. Each worker costs a NIXL agent (threads, sockets) and a memory mapping.
+    max_engines: int = Field(default=32, ge=1, le=4096)
+    max_workers_per_engine: int = Field(default=64, ge=1, le=262144)
+    # Peer sidecars remembered (handshaken) and connected at once.
+    max_peers: int = Field(default=1024, ge=1, le=1_000_000)
 
     # mTLS between sidecars: all three set enables it on the peer port and for outgoing calls.
     peer_tls_cert: Path | None = None
@@ -144,6 +184,21 @@ class Settings(BaseSettings):
 
     # The TOML file read for this instance; set by load_settings, not a setting of its own.
     toml_file: ClassVar[Path | None] = None
+
+    @field_validator("shm_dirs", mode="before")
+    @classmethod
+    def _shm_dirs_list(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("shm_dirs")
+    @classmethod
+    def _check_shm_dirs(cls, value: list[Path]) -> list[Path]:
+        for directory in value:
+            if not directory.is_absolute():
+                raise ValueError(f"{directory} is not an absolute path")
+            if not directory.is_dir():
+                raise ValueError(f"{directory} is not an existing directory")
+        return value
 
     @field_validator("peer_listen")
     @classmethod
@@ -186,10 +241,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_tls(self) -> Settings:
-        tls = [self.peer_tls_cert, self.peer_tls_key, self.peer_tls_ca]
-        if any(tls) and not all(tls):
-            raise ValueError("peer_tls_cert, peer_tls_key and peer_tls_ca must be set together")
-        for path in tls:
+        tls = {"peer_tls_cert": self.peer_tls_cert, "peer_tls_key": self.peer_tls_key, "peer_tls_ca": self.peer_tls_ca}
+        missing = [name for name, path in tls.items() if path is None]
+        if missing and len(missing) < len(tls):
+            given = [name for name in tls if name not in missing]
+            raise ValueError(
+                f"{', '.join(given)} set without {', '.join(missing)}: "
+                "peer_tls_cert, peer_tls_key and peer_tls_ca must be set together"
+            )
+        tls_paths = list(tls.values())
+        for path in tls_paths:
             if path is not None and not path.is_file():
                 raise ValueError(f"TLS file {path} does not exist")
         return self
@@ -241,6 +302,8 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | N
     """
     if config_file is None and os.environ.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(os.environ[ENV_PREFIX + "CONFIG"])
+    if config_file is not None and config_file.is_dir():
+        raise ConfigError(f"config file {config_file} is a directory, not a TOML file")
     if config_file is not None and not config_file.is_file():
         raise ConfigError(f"config file {config_file} does not exist")
     clean = {key: value for key, value in (overrides or {}).items() if value is not None}
@@ -252,16 +315,51 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | N
         loaded = _Settings(**clean)
     except ValidationError as exc:
         raise ConfigError(_describe_validation_error(exc, config_file)) from None
+    except SettingsError as exc:
+        # pydantic-settings could not parse an environment value (e.g. a JSON object it expected).
+        cause = f": {exc.__cause__}" if exc.__cause__ else ""
+        raise ConfigError(f"{exc}{cause}") from None
     return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
 
 
 def _describe_validation_error(exc: ValidationError, config_file: Path | None) -> str:
     problems = []
     for error in exc.errors():
-        name = ".".join(str(part) for part in error["loc"]) or "settings"
+        message = error["msg"]
+        if error["type"] == "finite_number":
+            message = "is not a number (NaN and infinity are not allowed)"
+        if not error["loc"]:  # a check across settings: its message names them
+            problems.append(f"invalid settings: {message.removeprefix('Value error, ')}")
+            continue
+        name = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
         env_name = ENV_PREFIX + name.replace(".", "__").upper()
-        origin = f"--{name.replace('_', '-')}, {env_name}" + (f" or {config_file}" if config_file else "")
+        flag = f"--set {name}=..." if "." in name else f"--{name.replace('_', '-')}"
+        origin = f"{flag}, {env_name}" + (f" or {config_file}" if config_file else "")
         value = error.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        problems.append(f"invalid setting {name!r}{shown}: {error['msg']} [from {origin}]")
+        problems.append(f"invalid setting {name!r}{shown}: {message} [from {origin}]")
     return "; ".join(problems)
+
+
+def _known_env_names() -> dict[str, str]:
+    """Every ``KVSIDECAR_*`` variable the settings read -> its setting's name."""
+    names = {ENV_PREFIX + "CONFIG": "config file"}
+    for name, field in Settings.model_fields.items():
+        names[ENV_PREFIX + name.upper()] = name
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            for inner in annotation.model_fields:
+                names[f"{ENV_PREFIX}{name.upper()}__{inner.upper()}"] = f"{name}.{inner}"
+    return names
+
+
+def unknown_env_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``KVSIDECAR_*`` variables no setting reads (typos), each with the closest known variable."""
+    known = {name.removeprefix(ENV_PREFIX): name for name in _known_env_names()}
+    unknown = []
+    for variable in sorted(environ):
+        upper = variable.upper()
+        if upper.startswith(ENV_PREFIX) and upper.removeprefix(ENV_PREFIX) not in known:
+            close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), list(known), n=1, cutoff=0.6)
+            unknown.append((variable, known[close[0]] if close else None))
+    return unknown

@@ -40,6 +40,10 @@ class ProducerLost(FailedPrecondition):
     """The producer no longer holds a request's blocks."""
 
 
+class ForeignBlocks(FailedPrecondition):
+    """A pull names producer blocks that were not submitted for the request it names."""
+
+
 RequestKey = tuple[str, str]  # (engine_id, request_id)
 
 
@@ -66,6 +70,10 @@ class ConsumerRequest:
     def is_push(self) -> bool:
         return self.mode == common_pb2.TRANSFER_MODE_PUSH
 
+    @property
+    def reads_remote(self) -> bool:
+        return not self.is_push
+
     def heartbeat_key(self) -> peer_pb2.RequestKey:
         return peer_pb2.RequestKey(
             request_id=self.remote.request_id, transfer_id=self.transfer_id, consumer_request_id=self.request_id
@@ -80,6 +88,7 @@ class KeptAlive:
     request_id: str
     transfer_id: str
     remote: engine_pb2.RemoteBlocks
+    reads_remote = True  # its Pull (if it becomes one) reads remote.block_ids
 
     def heartbeat_key(self) -> peer_pb2.RequestKey:
         return peer_pb2.RequestKey(
@@ -102,6 +111,10 @@ class ConsumerSide:
         self._confirmed: dict[RequestKey, float] = {}
         # When a producer first answered "unknown" for a request it never confirmed.
         self._first_unknown: dict[RequestKey, float] = {}
+        # The producer block ids a producer accepted as its request's (a pull reads only those;
+        # sent with heartbeats until accepted once), and why it refused them.
+        self._verified: dict[RequestKey, BlockIds] = {}
+        self._foreign: dict[RequestKey, str] = {}
         # Heartbeat period per producer (address, engine), a third of the extension it grants, so
         # a producer with a shorter lease than ours is still heartbeated in time.
         self._pace: dict[tuple[str, str], float] = {}
@@ -156,8 +169,13 @@ class ConsumerSide:
         for key in keys:
             self.kept.pop(key, None)
             self._lost.pop(key, None)
-            self._confirmed.pop(key, None)
-            self._first_unknown.pop(key, None)
+            self._forget_checks(key)
+
+    def _forget_checks(self, key: RequestKey) -> None:
+        self._confirmed.pop(key, None)
+        self._first_unknown.pop(key, None)
+        self._verified.pop(key, None)
+        self._foreign.pop(key, None)
 
     def _end_keep_alive(self, key: RequestKey) -> str | None:
         """Stop keeping ``key`` alive; returns why it is lost, if the producer dropped it."""
@@ -184,6 +202,10 @@ class ConsumerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.transfer_timeout_seconds
         )
+        known = node.peers.cached_view(request.remote.address, request.remote.engine_id)
+        problem = known.block_ids_problem(remote_blocks) if known is not None else None
+        if problem:  # else checked against the handshake before reading
+            raise InvalidArgument("remote.block_ids", problem)
         engine = self._require_engine(request.engine_id, request.request_id, local, "local_block_ids")
         pending = self._admit(request, common_pb2.TRANSFER_MODE_PULL, local)
         if pending is None:
@@ -268,15 +290,22 @@ class ConsumerSide:
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         try:
-            if self._confirmed.get(pending.key, 0.0) <= time.monotonic():
+            confirmed = self._confirmed.get(pending.key, 0.0) > time.monotonic()
+            if not confirmed or self._verified.get(pending.key) != remote_blocks:
                 # The producer frees its blocks when its lease ends; reading after that would copy
-                # whatever request now owns them. Confirm (and extend) the lease first. This call
-                # also reveals a restarted producer sidecar before its stale handshake is used.
+                # whatever request now owns them. Confirm (and extend) the lease first, and that the
+                # blocks we name are the request's own. This call also reveals a restarted producer
+                # sidecar before its stale handshake is used. A keep-alive usually did it already.
                 await self._confirm_held(pending)
+                if self.requests.get(pending.key) is not pending:
+                    return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             view = await asyncio.wait_for(
                 node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
                 node.settings.peer_call_timeout_seconds,
             )
+            problem = view.block_ids_problem(remote_blocks)
+            if problem:
+                raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
             source = trim_to_tail(remote_blocks, pending.local_blocks)
@@ -297,6 +326,11 @@ class ConsumerSide:
             return
         except ProducerLost as exc:
             self._fail(pending, str(exc), reason_label="producer_lost")
+            return
+        except ForeignBlocks as exc:
+            # The producer's request is left alone: these were not its blocks to give.
+            self._fail(pending, str(exc), reason_label="foreign_blocks")
+            self._foreign.pop(pending.key, None)
             return
         except (SidecarError, PlanError) as exc:
             label = "incompatible" if isinstance(exc, (FailedPrecondition, PlanError)) else "handshake"
@@ -402,6 +436,9 @@ class ConsumerSide:
             unknown = await self._heartbeat(
                 pending.remote.address, pending.remote.engine_id, [pending], raise_errors=True, judge=False
             )
+            foreign = self._foreign.get(pending.key)
+            if foreign is not None:
+                raise ForeignBlocks(foreign)
             if not unknown:
                 return
             if self._is_lost(pending.key, time.monotonic()):
@@ -448,9 +485,15 @@ class ConsumerSide:
         """Heartbeat ``group``; returns the items the producer did not know. With ``judge``, those
         that count as lost (see ``_is_lost``) fail here."""
         node = self._node
-        request = peer_pb2.HeartbeatRequest(
-            caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=[item.heartbeat_key() for item in group]
-        )
+        keys, checking = [], {}
+        for item in group:
+            key = item.heartbeat_key()
+            named = _named_blocks(item)
+            if named and self._verified.get((item.engine_id, item.request_id)) != named:
+                key.block_ids.CopyFrom(item.remote.block_ids)
+                checking[(item.engine_id, item.request_id)] = named
+            keys.append(key)
+        request = peer_pb2.HeartbeatRequest(caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=keys)
         try:
             response = await node.peers.call(address, "Heartbeat", request)
         except SidecarError as exc:
@@ -468,15 +511,33 @@ class ConsumerSide:
                 self._pace_changed.set()
             self._pace[pace_key] = pace
         unknown_keys = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.unknown}
+        foreign_keys = {(key.request_id, key.transfer_id, key.consumer_request_id) for key in response.foreign_blocks}
         unknown = []
+        foreign: list[ConsumerRequest | KeptAlive] = []
         for item in group:
             key = item.heartbeat_key()
+            item_key = (item.engine_id, item.request_id)
             if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown_keys:
                 unknown.append(item)
+                continue
+            # Known, and its lease extended to now + lease_seconds: half of that is a safe margin.
+            self._confirmed[item_key] = now + response.lease_seconds / 2.0
+            if item_key not in checking:
+                continue
+            if (key.request_id, key.transfer_id, key.consumer_request_id) in foreign_keys:
+                self._foreign[item_key] = (
+                    f"producer {engine_id} at {address} did not submit the blocks named in remote.block_ids "
+                    f"for request {item.remote.request_id!r}; not reading them"
+                )
+                foreign.append(item)
             else:
-                # Known, and its lease extended to now + lease_seconds: half of that is a safe margin.
-                self._confirmed[(item.engine_id, item.request_id)] = now + response.lease_seconds / 2.0
+                self._verified[item_key] = checking[item_key]
+                self._foreign.pop(item_key, None)
         if judge:
+            # A keep-alive's blocks are only a hint; its Pull checks them again and fails then.
+            for item in foreign:
+                if isinstance(item, ConsumerRequest) and not item.transferring and item.key in self.requests:
+                    self._fail(item, self._foreign[item.key], reason_label="foreign_blocks")
             lost = [item for item in unknown if self._is_lost((item.engine_id, item.request_id), now)]
             self._producer_lost(
                 lost, "the producer no longer holds the request (expired, released or restarted)", "producer_lost"
@@ -584,8 +645,7 @@ class ConsumerSide:
     def _finish(self, pending: ConsumerRequest, event: engine_pb2.Event) -> None:
         if self.requests.pop(pending.key, None) is None:
             return
-        self._confirmed.pop(pending.key, None)
-        self._first_unknown.pop(pending.key, None)
+        self._forget_checks(pending.key)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
             self._node.transport.expect_notifications(-1)
@@ -631,3 +691,11 @@ class ConsumerSide:
 
 def _grouped(blocks: BlockIds) -> common_pb2.GroupedBlockIds:
     return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in blocks])
+
+
+def _named_blocks(item: ConsumerRequest | KeptAlive) -> BlockIds:
+    """The producer blocks a pull would read (empty for a push: the producer picks its own)."""
+    if not item.reads_remote:
+        return ()
+    named = tuple(tuple(group.ids) for group in item.remote.block_ids.groups)
+    return named if any(named) else ()

@@ -20,6 +20,7 @@ from sidecar.planning import (
     RegionLayout,
     Slice,
     WorkerLayout,
+    check_block_ids,
     check_compatible,
     descriptor_indices,
     expected_notifications,
@@ -65,6 +66,15 @@ class EngineView:
     @property
     def is_mla(self) -> bool:
         return bool(self.workers) and self.workers[0].layout.is_mla
+
+    def block_ids_problem(self, block_ids: BlockIds) -> str | None:
+        """Why ``block_ids`` do not name blocks of this engine (out of range, repeated, too many
+        groups), or None: checked against the geometry its sidecar advertised."""
+        if not self.workers:
+            return f"engine {self.engine_id} has no workers"
+        layout = self.workers[0].layout
+        num_groups = 1 + max((region.group_id for region in layout.regions), default=0)
+        return check_block_ids(block_ids, num_groups, layout.num_blocks, layout.physical_per_logical)
 
 
 def layout_from_descriptor(worker: peer_pb2.WorkerDescriptor) -> WorkerLayout:

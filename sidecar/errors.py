@@ -25,6 +25,12 @@ class InvalidArgument(SidecarError):
         self.field = field
 
 
+class PeerInvalidArgument(SidecarError):
+    """A peer sidecar answered INVALID_ARGUMENT; the message is the peer's, field name included."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class NotFound(SidecarError):
     code = grpc.StatusCode.NOT_FOUND
 

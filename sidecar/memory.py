@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 import stat
@@ -144,6 +145,14 @@ class MemoryImporter:
                 raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} is not a regular file")
             if spec.length == 0:
                 raise InvalidArgument(f"{field_name}.length", "must be > 0")
+            if spec.owner_locked and _unlocked(fd):
+                # The file is removed once its worker is gone if nobody holds its lock: a file its
+                # owner never locked would be deleted from under a live owner.
+                raise InvalidArgument(
+                    f"{field_name}.owner_locked",
+                    f"is set but no process holds a lock on {spec.shm_path}; lock it (flock) for its life "
+                    "or leave owner_locked unset",
+                )
             if spec.offset + spec.length > info.st_size:
                 raise InvalidArgument(
                     f"{field_name}.length",
@@ -168,6 +177,16 @@ class MemoryImporter:
             _map_base=base,
             _map_length=map_length,
         )
+
+
+def _unlocked(fd: int) -> bool:
+    """Whether no process holds a flock on the file: a non-blocking probe that we release at once."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
 
 
 # --- VRAM over CUDA IPC -------------------------------------------------------------------------

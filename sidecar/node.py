@@ -170,6 +170,12 @@ class Node:
         if self.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         spec = validation.register_worker(request)
+        if spec.tp_size * spec.pp_size > self.settings.max_workers_per_engine:
+            # An engine's workers are its TP x PP ranks: this bounds them before any is mapped.
+            raise ResourceExhausted(
+                f"tp_size x pp_size: {spec.tp_size} x {spec.pp_size} workers, the limit is "
+                f"max_workers_per_engine={self.settings.max_workers_per_engine}"
+            )
         existing = self.registry.worker(spec.engine_id, spec.tp_rank, spec.pp_rank)
         if existing is not None:
             if existing.fingerprint == spec.fingerprint:
@@ -190,6 +196,11 @@ class Node:
                         "unregister them first"
                     )
         else:
+            if len(self.registry.engines) >= self.settings.max_engines:
+                raise ResourceExhausted(
+                    f"engine_id: {len(self.registry.engines)} engines are registered, the limit is "
+                    f"max_engines={self.settings.max_engines}"
+                )
             engine = Engine(
                 spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version
             )
@@ -427,6 +438,7 @@ class Node:
         every peer it knows at once, each bounded by ``timeout_seconds``: a peer that fails or is
         late is listed in ``unreachable``, never waited for past the bound."""
         validation.identifier(request.engine_id, "engine_id")
+        validation.address(request.address, "address", required=False)
         validation.identifier(request.conversation_id, "conversation_id", required=False)
         validation.identifier(request.request_id, "request_id", required=False)
         hashes = validation.block_hashes(request.block_hashes, "block_hashes", self.settings.max_blocks_per_request)
@@ -522,6 +534,7 @@ class Node:
 
     async def handle_handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
         validation.identifier(request.engine_id, "engine_id")
+        validation.address(request.caller.address, "caller.address", required=False)
         if request.caller.versions.protocol and request.caller.versions.protocol != PROTOCOL_VERSION:
             raise FailedPrecondition(
                 f"protocol revision {request.caller.versions.protocol} is not {PROTOCOL_VERSION}; "

@@ -13,6 +13,7 @@ requests that need it. Runs on the event loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +25,16 @@ import grpc
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
 from sidecar.config import Settings, split_host_port
 from sidecar.dataplane import EngineView, view_from_descriptor
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, SidecarError, Unavailable
+from sidecar.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PeerInvalidArgument,
+    ResourceExhausted,
+    SidecarError,
+    Unavailable,
+)
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 
@@ -57,7 +67,7 @@ _HANDLERS = {
 _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.INVALID_ARGUMENT: PeerInvalidArgument,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 
@@ -73,7 +83,12 @@ class _PeerState:
 
 
 def normalize_address(address: str) -> str:
-    host, port = split_host_port(address, "address")
+    """One spelling per peer; raises InvalidArgument for an address that is not HOST:PORT (callers
+    validate addresses at the API boundary, so this is a last line, not the check)."""
+    try:
+        host, port = split_host_port(address, "address")
+    except ValueError as exc:
+        raise InvalidArgument("address", str(exc)) from None
     host = host.lower()
     if host in ("localhost", "::1", "0.0.0.0", "::"):
         host = "127.0.0.1"
@@ -97,7 +112,15 @@ class PeerDirectory:
         self._channels: dict[str, tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]] = {}
         self._engines: dict[tuple[str, str], EngineView] = {}
         self._handshakes: dict[tuple[str, str], asyncio.Future[EngineView]] = {}
+        # Peers that completed a handshake (what GetStatus lists), at most settings.max_peers.
         self._peers: dict[str, _PeerState] = {}
+        # Consecutive failed calls per peer, handshaken or not (a keep-alive heartbeats a producer
+        # before any handshake); cleared by an answer, bounded like the table.
+        self._failures: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
+        # Peer sidecars that called us (normalized address -> address as given), LRU order, at most
+        # settings.max_peers: with the handshaken peers, whom multi-turn cache queries ask.
+        self._callers: dict[str, str] = {}
         self._self_addresses: set[str] = set()
 
     def set_self_addresses(self, addresses: list[str]) -> None:
@@ -151,7 +174,9 @@ class PeerDirectory:
             raise
         elapsed = time.monotonic() - started
         self._metrics.handshake_duration.observe(elapsed)
-        state = self._state(address)
+        state = self._remember(address)
+        state.sidecar_id = response.sidecar.sidecar_id
+        state.last_seen = time.monotonic()
         state.handshake_ms = elapsed * 1000.0
         if response.sidecar.clock_unix_s:
             midpoint = sent_unix + elapsed / 2.0
@@ -183,19 +208,29 @@ class PeerDirectory:
             await self._on_peer_restart(address, names)
 
     def known_addresses(self) -> list[str]:
-        """Peer sidecars we called or that called us (multi-turn cache queries ask them all)."""
-        return [state.address for key, state in sorted(self._peers.items()) if key and not self.is_self(key)]
+        """Peer sidecars we handshook with or that called us, most recent callers last (multi-turn
+        cache queries ask them all)."""
+        known = {key: state.address for key, state in self._peers.items()}
+        known.update(self._callers)
+        return [address for key, address in known.items() if key and not self.is_self(key)]
 
     async def note_caller(self, info: common_pb2.SidecarInfo) -> None:
-        """An incoming call names its sidecar: remember it as a known peer, and drop our cache of
-        it if it restarted since."""
+        """An incoming call names its sidecar: remember it as a known peer (bounded by max_peers,
+        least recent dropped first), and drop our cache of it if it restarted since."""
         if info.address and info.sidecar_id and not self.is_self(info.address):
-            state = self._peers.get(self._key(info.address))
+            key = self._key(info.address)
+            new_caller = key not in self._callers and key not in self._peers
+            self._callers[key] = self._callers.pop(key, info.address)
+            while len(self._callers) > self._settings.max_peers:
+                del self._callers[next(iter(self._callers))]
+            if new_caller:
+                # Connect now: the first call to it (a multi-turn cache query, bounded to a few
+                # ms) should not pay for the connection. No room in the channel table: it dials later.
+                with contextlib.suppress(ResourceExhausted):
+                    channel, _ = await self._channel(info.address)
+                    channel.get_state(try_to_connect=True)
+            state = self._peers.get(key)
             if state is None:
-                self._state(info.address).sidecar_id = info.sidecar_id
-                # Connect now: the first call to a new peer (a multi-turn cache query, bounded to a
-                # few ms) should not pay for the connection.
-                self._channel(info.address)[0].get_state(try_to_connect=True)
                 return
             if state.sidecar_id and state.sidecar_id != info.sidecar_id:
                 log.warning(
@@ -203,6 +238,15 @@ class PeerDirectory:
                 )
                 state.sidecar_id = info.sidecar_id
                 await self.forget(info.address, "peer restarted")
+
+    def cached_view(self, address: str, engine_id: str) -> EngineView | None:
+        """The engine as its last handshake described it, if one is cached (never dials)."""
+        if self.is_self(address):
+            try:
+                return self._local.local_engine_view(engine_id, "")
+            except SidecarError:
+                return None
+        return self._engines.get((self._key(address), engine_id))
 
     def cached_generation(self, address: str, engine_id: str) -> str | None:
         view = self._engines.get((self._key(address), engine_id))
@@ -221,7 +265,10 @@ class PeerDirectory:
         if self.is_self(address):
             response = await getattr(self._local, _HANDLERS[method])(request)
             return response
-        _, stub = self._channel(address)
+        key = self._key(address)
+        _, stub = await self._channel(address)
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+        failed = False
         try:
             # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
             # gets until the deadline to come back instead of failing the call at once.
@@ -229,15 +276,35 @@ class PeerDirectory:
                 request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=True
             )
         except grpc.aio.AioRpcError as exc:
-            state = self._state(address)
-            state.consecutive_failures += 1
+            failed = True
+            self._count_failure(key)
             error_type = _STATUS_ERRORS.get(exc.code(), Unavailable)
             raise error_type(f"peer {address}: {exc.code().name}: {exc.details()}") from None
+        finally:
+            self._in_flight[address] -= 1
+            if not self._in_flight[address]:
+                del self._in_flight[address]
+                if failed and key not in self._peers:
+                    # Never handshaken and not answering: keep no channel (each holds memory and a
+                    # socket); a later call dials again.
+                    await self._close_channel(address)
         await self._observe(address, _responder_id(response))
         return response
 
+    def _count_failure(self, key: str) -> None:
+        self._failures[key] = self._failures.pop(key, 0) + 1  # re-inserted: the dict stays in LRU order
+        state = self._peers.get(key)
+        if state is not None:
+            state.consecutive_failures = self._failures[key]
+        while len(self._failures) > self._settings.max_peers:
+            del self._failures[next(iter(self._failures))]
+
     async def _observe(self, address: str, sidecar_id: str) -> None:
-        state = self._state(address)
+        key = self._key(address)
+        self._failures.pop(key, None)
+        state = self._peers.get(key)
+        if state is None:
+            return  # not a handshaken peer: nothing cached about it that could be stale
         state.last_seen = time.monotonic()
         state.consecutive_failures = 0
         if not sidecar_id:
@@ -248,9 +315,24 @@ class PeerDirectory:
             await self.forget(address, "peer restarted")
         state.sidecar_id = sidecar_id
 
-    def _channel(self, address: str) -> tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]:
+    async def _close_channel(self, address: str) -> None:
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            await entry[0].close(grace=None)
+
+    async def _channel(self, address: str) -> tuple[grpc.aio.Channel, peer_pb2_grpc.PeerServiceStub]:
         entry = self._channels.get(address)
         if entry is None:
+            if len(self._channels) >= self._settings.max_peers:
+                # Make room: channels to peers we never handshook that no call is using.
+                for idle in [a for a in self._channels if a not in self._in_flight]:
+                    if self._key(idle) not in self._peers:
+                        await self._close_channel(idle)
+                if len(self._channels) >= self._settings.max_peers:
+                    raise ResourceExhausted(
+                        f"connections to {len(self._channels)} peer sidecars are open, the limit is "
+                        f"max_peers={self._settings.max_peers}"
+                    )
             options = [
                 ("grpc.max_send_message_length", self._settings.max_message_bytes),
                 ("grpc.max_receive_message_length", self._settings.max_message_bytes),
@@ -273,11 +355,23 @@ class PeerDirectory:
             self._channels[address] = entry
         return entry
 
-    def _state(self, address: str) -> _PeerState:
+    def _remember(self, address: str) -> _PeerState:
+        """The table entry of a peer that just completed a handshake. A full table first drops
+        peers with no cached engine (forgotten), least recently seen first."""
         key = self._key(address)
         state = self._peers.get(key)
-        if state is None:
-            state = self._peers[key] = _PeerState(address=address)
+        if state is not None:
+            return state
+        if len(self._peers) >= self._settings.max_peers:
+            cached = {peer for peer, _ in self._engines}
+            stale = sorted((s.last_seen, k) for k, s in self._peers.items() if k not in cached)
+            for _, old in stale[: len(self._peers) - self._settings.max_peers + 1]:
+                del self._peers[old]
+            if len(self._peers) >= self._settings.max_peers:
+                raise ResourceExhausted(
+                    f"{len(self._peers)} peer sidecars are in use, the limit is max_peers={self._settings.max_peers}"
+                )
+        state = self._peers[key] = _PeerState(address=address)
         return state
 
     @staticmethod
@@ -302,7 +396,7 @@ class PeerDirectory:
         return rows
 
     def failures(self, address: str) -> int:
-        return self._state(address).consecutive_failures
+        return self._failures.get(self._key(address), 0)
 
     async def close(self) -> None:
         for channel, _ in self._channels.values():

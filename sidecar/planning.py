@@ -100,7 +100,17 @@ def physical_block_ids(logical: Sequence[int], physical_per_logical: int) -> np.
 
 
 def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
-    """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region."""
+    """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region.
+
+    Raises PlanError for an id past the worker's blocks or listed twice: requests are validated
+    before they get here, and this keeps a descriptor from ever landing outside the named blocks
+    (an id past the end would select the next region's blocks)."""
+    limit = worker.num_blocks // max(worker.physical_per_logical, 1)
+    for group, ids in enumerate(block_ids):
+        if ids and max(ids) >= limit:
+            raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")
+        if len(set(ids)) != len(ids):
+            raise PlanError(f"group {group}: block ids repeat")
     per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
     parts = []
     for region_index, region in enumerate(worker.regions):
@@ -247,4 +257,16 @@ def check_block_ids(block_ids: BlockIds, num_groups: int, num_blocks: int, physi
                 return f"group {group}: block id {block} is out of range (the engine has {limit} blocks)"
         if len(set(ids)) != len(ids):
             return f"group {group}: block ids repeat"
+    return None
+
+
+def foreign_block_ids(named: BlockIds, submitted: BlockIds) -> str | None:
+    """Why ``named`` (a consumer's idea of a producer request's blocks) is not a subset of the
+    blocks the producer ``submitted`` for it, group by group, or None."""
+    if len(named) > len(submitted):
+        return f"{len(named)} KV cache groups named, {len(submitted)} submitted"
+    for group, (ids, mine) in enumerate(zip(named, submitted, strict=False)):
+        outside = set(ids).difference(mine)
+        if outside:
+            return f"group {group}: block {min(outside)} was not submitted for this request"
     return None

@@ -25,7 +25,7 @@ from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from sidecar.logs import get_logger
 from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
 from sidecar.notices import NoticeTally
-from sidecar.planning import BlockIds, PlanError, check_block_ids, trim_to_tail
+from sidecar.planning import BlockIds, PlanError, check_block_ids, foreign_block_ids, trim_to_tail
 from sidecar.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
 
@@ -234,8 +234,7 @@ class ProducerSide:
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", node.settings.max_blocks_per_request)
-        if not request.caller.address:
-            raise InvalidArgument("caller.address", "is required so the producer can reach the consumer")
+        validation.address(request.caller.address, "caller.address")
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", node.settings.push_registration_timeout_seconds
         )
@@ -250,6 +249,12 @@ class ProducerSide:
             await node.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
         node.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
         node.check_compatibility(engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}")
+        # The consumer's geometry, if we already know it: ids past its blocks would be written into
+        # whatever lies behind them. (Unknown yet: checked after the handshake, before any WRITE.)
+        known = node.peers.cached_view(request.caller.address, request.decode_engine_id)
+        problem = known.block_ids_problem(blocks) if known is not None else None
+        if problem:
+            raise InvalidArgument("block_ids", problem)
         reg_key = (request.decode_engine_id, request.request_id)
         if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
             # A repeated registration: the first one is already matched or waiting.
@@ -280,24 +285,41 @@ class ProducerSide:
         node = self._node
         validation.identifier(request.engine_id, "engine_id")
         unknown = []
+        foreign = []
         extension = node.settings.lease_extension_seconds
         now = time.monotonic()
         for index, key in enumerate(request.requests):
             if not (key.request_id or key.transfer_id or key.consumer_request_id):
                 raise InvalidArgument(f"requests[{index}]", "names no request")
+            named = validation.block_ids(
+                key.block_ids, f"requests[{index}].block_ids", node.settings.max_blocks_per_request, required=False
+            )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None:
                 # A held request too: its consumer is about to read it (multi-turn), so neither
                 # its TTL nor the hold cap may end it meanwhile.
                 self.leases.extend(pending.key, now + extension)
                 pending.reading_until = now + extension
+                problem = foreign_block_ids(named, pending.block_ids)
+                if problem:
+                    # A consumer about to read blocks this request does not own (another request's KV).
+                    log.warning(
+                        "pull_names_foreign_blocks",
+                        engine_id=pending.engine_id,
+                        request_id=pending.request_id,
+                        consumer_request_id=key.consumer_request_id,
+                        problem=problem,
+                    )
+                    foreign.append(key)
                 continue
             if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
                 continue  # a push registration still waiting for its blocks
             if any(active[1] == key.consumer_request_id for active in self._pushing):
                 continue
             unknown.append(key)
-        return peer_pb2.HeartbeatResponse(sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension)
+        return peer_pb2.HeartbeatResponse(
+            sidecar_id=node.sidecar_id, unknown=unknown, lease_seconds=extension, foreign_blocks=foreign
+        )
 
     async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
         """A consumer is done with a request (consumed it, or gave up on it)."""
@@ -359,6 +381,9 @@ class ProducerSide:
             view = await node.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
             local = engine.local_workers()
             node.dataplane.check(local, engine.tp_size, view)
+            problem = view.block_ids_problem(blocks)
+            if problem:
+                raise InvalidArgument("block_ids", f"{problem} (engine {view.engine_id} of {address})")
             source = trim_to_tail(pending.block_ids, blocks)
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.

@@ -82,6 +82,14 @@ def load_nixl() -> tuple[Any, str]:
     return api, nixl_version
 
 
+def available_backends() -> list[str]:
+    """The backend plugins this NIXL installation offers (a throwaway agent asks NIXL)."""
+    api, _ = load_nixl()
+    config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+    agent = api.nixl_agent("kvsidecar-backend-probe", config)
+    return [str(name) for name in agent.get_plugin_list()]
+
+
 @dataclass(frozen=True)
 class DlistSpec:
     """A descriptor list to prepare once and reuse. ``build`` runs on the owner thread."""

@@ -5,6 +5,7 @@ callers get INVALID_ARGUMENT with a precise message and nothing half-applied. Pu
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -42,7 +43,64 @@ def block_ids(message: common_pb2.GroupedBlockIds, field: str, max_blocks: int, 
     total = sum(len(group.ids) for group in message.groups)
     if total > max_blocks:
         raise InvalidArgument(field, f"lists {total} blocks, more than the limit of {max_blocks}")
-    return tuple(tuple(group.ids) for group in message.groups)
+    blocks = tuple(tuple(group.ids) for group in message.groups)
+    for index, ids in enumerate(blocks):
+        repeated = first_repeat(ids)
+        if repeated is not None:
+            raise InvalidArgument(field, f"group {index}: block id {repeated} is listed twice")
+    return blocks
+
+
+def first_repeat(ids: tuple[int, ...]) -> int | None:
+    """The first id listed twice in ``ids``, or None. Two names for one block would make one
+    transfer write (or read) a block twice and leave another untouched."""
+    if len(set(ids)) == len(ids):
+        return None
+    seen: set[int] = set()
+    for block in ids:
+        if block in seen:
+            return block
+        seen.add(block)
+    return None
+
+
+# A DNS name (RFC 1123 labels) or an IPv4 address; IPv6 goes in brackets.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+
+
+def address_problem(value: str) -> str | None:
+    """Why ``value`` is not a peer address ``HOST:PORT`` (``[v6]:PORT``), or None."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        return f"must be HOST:PORT, got {value!r}"
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"port must be 1-65535, got {value!r}"
+    if host.startswith("["):
+        if not host.endswith("]"):
+            return f"an IPv6 host must be in brackets, got {value!r}"
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is not an IPv6 address"
+        return None
+    if ":" in host:
+        return f"an IPv6 host must be in brackets ([v6]:PORT), got {value!r}"
+    if not _HOSTNAME.match(host):
+        return f"host {host!r} is not a host name or IPv4 address"
+    return None
+
+
+def address(value: str, field: str, required: bool = True) -> str:
+    """A peer sidecar's ``HOST:PORT``; empty means this sidecar unless ``required``."""
+    if not value:
+        if required:
+            raise InvalidArgument(field, "is required")
+        return value
+    problem = address_problem(value)
+    if problem:
+        raise InvalidArgument(field, problem)
+    return value
 
 
 # A block hash is a digest (vLLM: 32-byte sha256, or 8-16 bytes for xxhash/cbor variants).
@@ -220,10 +278,7 @@ def register_worker(request: engine_pb2.RegisterWorkerRequest) -> WorkerSpec:
 def remote_blocks(remote: engine_pb2.RemoteBlocks, field: str, max_blocks: int, require_blocks: bool) -> BlockIds:
     """Check a RemoteBlocks; returns its block ids."""
     identifier(remote.engine_id, f"{field}.engine_id")
-    if remote.address:
-        host, sep, port = remote.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"{field}.address", f"must be HOST:PORT, got {remote.address!r}")
+    address(remote.address, f"{field}.address", required=False)
     if remote.request_id:
         identifier(remote.request_id, f"{field}.request_id")
     return block_ids(remote.block_ids, f"{field}.block_ids", max_blocks, required=require_blocks)

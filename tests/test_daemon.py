@@ -191,3 +191,32 @@ def test_kubernetes_pod_shares_socket_dir_and_dev_shm_and_probes_health() -> Non
     assert any(port.get("name") == "kv-peer" for port in sidecar["ports"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert sidecar[probe]["grpc"]["port"] == 50151
+
+
+def test_every_settings_source_is_validated_the_same_and_exits_2(workdir: Path) -> None:
+    socket_arg = ["--engine-socket", str(workdir / "s.sock"), "--peer-listen", "127.0.0.1:0", "--metrics-listen", "off"]
+    config = workdir / "c.toml"
+    cases: list[tuple[list[str], dict[str, str], str, str]] = [
+        (["--config", str(config)], {}, '[nixl]\nbackends = ["NOPE"]\n', "NOPE"),
+        (["--config", str(config)], {}, "[nixl]\nbackends = []\n", "nixl.backends"),
+        (["--config", str(config)], {}, 'shm_dirs = ["/nonexistent"]\n', "/nonexistent"),
+        ([], {"KVSIDECAR_NIXL__BACKENDS": "NOPE"}, "", "NOPE"),
+        (["--set", "x"], {}, "", "NAME=VALUE"),
+        (["--lease-seconds", "nan"], {}, "", "is not a number"),
+        (["--set", "peer_tls_cert=/etc/hostname"], {}, "", "peer_tls_key, peer_tls_ca"),
+        (["--config", str(workdir)], {}, "", "is a directory"),
+    ]
+    for args, env, toml, expected in cases:
+        config.write_text(toml)
+        result = run_cli("serve", *socket_arg, *args, env=env)
+        assert result.returncode == 2, (args, env, toml, result.stderr[-2000:])
+        assert expected in result.stderr, (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_environment_variable_is_logged_with_the_closest_setting(sidecars) -> None:
+    sidecar = sidecars(env={"KVSIDECAR_LEASE_SECOND": "5"}, args=["--set", "shm_dirs=/dev/shm,/tmp"])
+    warnings = [event for event in sidecar.log_events() if event.get("event") == "unknown_environment_variable"]
+    assert [(w["variable"], w["closest_setting"]) for w in warnings] == [
+        ("KVSIDECAR_LEASE_SECOND", "KVSIDECAR_LEASE_SECONDS")
+    ]

@@ -150,9 +150,13 @@ def test_a_query_across_peers_is_bounded_when_a_peer_is_gone(sidecars, engines) 
     p_side, d_side = sidecars("p"), sidecars("d")
     prefill = engines(p_side, "P", "both")
     decode = engines(d_side, "D", "both")
+    # Turn 1: D's sidecar pulls from P's, so P's sidecar knows D's; D holds the finished turn.
+    assert prefill.command("submit", request_id="t1-p", blocks=[[1]])["ok"]
+    assert start_pull(decode, prefill, "t1", [3], "t1-p", [1])["ok"]
+    assert decode.wait_event("t1", 10)[0]["event"] == "FINISHED_RECEIVING"
     assert decode.command("hold", request_id="t1", blocks=[[3]], conversation_id="conv")["ok"]
-    # P's sidecar learns D's address by asking it once by address.
-    assert len(prefill.command("query", address=decode.peer_address, conversation_id="conv")["entries"]) == 1
+    found = prefill.command("query", conversation_id="conv", known_peers=True, timeout_seconds=5.0)
+    assert len(found["entries"]) == 1 and found["unreachable"] == [], found
     d_side.kill()
     started = time.monotonic()
     found = prefill.command("query", conversation_id="conv", known_peers=True, timeout_seconds=0.5)

@@ -115,14 +115,16 @@ class PushRegResponse(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., matched: _Optional[bool] = ...) -> None: ...
 
 class RequestKey(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "consumer_request_id")
+    __slots__ = ("request_id", "transfer_id", "consumer_request_id", "block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     consumer_request_id: str
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., consumer_request_id: _Optional[str] = ...) -> None: ...
+    block_ids: _common_pb2.GroupedBlockIds
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., consumer_request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("caller_sidecar_id", "engine_id", "requests")
@@ -135,14 +137,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("sidecar_id", "unknown", "lease_seconds")
+    __slots__ = ("sidecar_id", "unknown", "lease_seconds", "foreign_blocks")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     unknown: _containers.RepeatedCompositeFieldContainer[RequestKey]
     lease_seconds: float
-    def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    foreign_blocks: _containers.RepeatedCompositeFieldContainer[RequestKey]
+    def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., foreign_blocks: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
 
 class PeerQueryCacheRequest(_message.Message):
     __slots__ = ("caller_sidecar_id", "engine_id", "conversation_id", "request_id", "block_hashes")
