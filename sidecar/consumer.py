@@ -11,6 +11,16 @@
 While a request waits, this side heartbeats the producer's sidecar so its lease stays alive; a
 producer that no longer knows the request, or a peer that stops answering, fails the request
 instead of leaving it to time out. Runs on the event loop thread.
+
+No block goes back to the engine while a transfer may still land in it:
+- pull: a READ starts only after a heartbeat found the request at the producer, and must end by
+  that heartbeat's send time + the extension the producer granted (the transport fails a READ
+  seen DONE later), because the producer may reuse the blocks after that (see producer.py);
+- push: the producer's WRITEs are one-sided. A release or watchdog first asks the producer to
+  drop the request and waits (bounded) for its WRITEs to end. If the producer cannot answer (hung,
+  stopped) or the bound passes, the blocks' pages are fenced (made read-only in this sidecar,
+  memory.WriteFences) before LOAD_FAILED, so a WRITE that resumes later fails instead of landing;
+  the fence is lifted once the producer answers that nothing is in flight, or is gone.
 """
 
 from __future__ import annotations
@@ -22,11 +32,19 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import validation
-from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, SidecarError, Unavailable
 from sidecar.logs import get_logger
+from sidecar.memory import FenceToken, WriteFences
 from sidecar.notices import NoticeTally
 from sidecar.peers import normalize_address
-from sidecar.planning import BlockIds, PlanError, check_block_ids, check_compatible, trim_to_tail
+from sidecar.planning import (
+    BlockIds,
+    PlanError,
+    block_byte_ranges,
+    check_block_ids,
+    check_compatible,
+    trim_to_tail,
+)
 from sidecar.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.timers import DeadlineTimer
 
@@ -59,8 +77,11 @@ class ConsumerRequest:
     notices: NoticeTally = field(default_factory=NoticeTally)
     registered: bool = False  # push: the producer accepted the registration
     transferring: bool = False  # pull: READs in flight
-    cancelling: bool = False  # push watchdog fired; waiting for in-flight WRITEs to end
+    cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
+    cancel_reason: str = ""
     bytes_moved: int = 0
+    # push: set once the PushReg call returned (or failed); a release waits for it first.
+    registration_done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def key(self) -> RequestKey:
@@ -96,9 +117,20 @@ class KeptAlive:
         )
 
 
+@dataclass
+class _Fence:
+    """Pages fenced against a producer's late WRITEs for a push this side gave up on."""
+
+    request: ConsumerRequest
+    token: FenceToken
+    checking: bool = False
+
+
 class ConsumerSide:
     def __init__(self, node: Node) -> None:
         self._node = node
+        self.fences = WriteFences()
+        self._fenced: list[_Fence] = []
         self.requests: dict[RequestKey, ConsumerRequest] = {}
         self.watchdogs: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_watchdog)
         self.kept: dict[RequestKey, KeptAlive] = {}
@@ -109,6 +141,9 @@ class ConsumerSide:
         # Until when (monotonic) a producer is known to hold a request: a heartbeat answered
         # "known" and extended its lease. A READ only starts while this holds.
         self._confirmed: dict[RequestKey, float] = {}
+        # Until when (monotonic) a READ of a request may run: the send time of the heartbeat that
+        # found it + the extension the producer granted; the producer may reuse the blocks after.
+        self._readable: dict[RequestKey, float] = {}
         # When a producer first answered "unknown" for a request it never confirmed.
         self._first_unknown: dict[RequestKey, float] = {}
         # The producer block ids a producer accepted as its request's (a pull reads only those;
@@ -173,6 +208,7 @@ class ConsumerSide:
 
     def _forget_checks(self, key: RequestKey) -> None:
         self._confirmed.pop(key, None)
+        self._readable.pop(key, None)
         self._first_unknown.pop(key, None)
         self._verified.pop(key, None)
         self._foreign.pop(key, None)
@@ -231,8 +267,14 @@ class ConsumerSide:
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
-            self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
+            if isinstance(exc, DeadlineExceeded):
+                # The PushReg may have reached a producer that is only slow: it could still write.
+                self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
+            else:
+                self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
+        finally:
+            pending.registration_done.set()
         if not any(local):
             # A full prefix hit: nothing will be written. The registration still lets the producer
             # free its blocks as soon as it submits them.
@@ -245,9 +287,18 @@ class ConsumerSide:
         pending = self.requests.get((engine_id, request_id))
         if pending is None:
             return None
+        if pending.is_push and any(pending.local_blocks):
+            # The producer's WRITEs may be in flight: the terminal event waits until they cannot land.
+            if not pending.cancelling:
+                pending.cancelling = True
+                self._node.spawn(self._cancel_push(pending, f"released: {reason}", "released"), engines=[])
+            return pending
+        if pending.transferring:
+            # The producer must keep its blocks while our READ runs: it learns of the release, and
+            # the engine of its end, once the READ is over.
+            pending.cancel_reason = f"released: {reason}"
+            return pending
         self._node.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
-        if pending.transferring or pending.cancelling:
-            return pending  # the terminal event follows when the transfers end
         self._fail(pending, f"released: {reason}", reason_label="released")
         return pending
 
@@ -289,6 +340,7 @@ class ConsumerSide:
             await self._tell_producer(pending, consumed=True, reason="full prefix-cache hit on the consumer")
             self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
+        give_up = time.monotonic() + timeout
         try:
             confirmed = self._confirmed.get(pending.key, 0.0) > time.monotonic()
             if not confirmed or self._verified.get(pending.key) != remote_blocks:
@@ -299,28 +351,44 @@ class ConsumerSide:
                 await self._confirm_held(pending)
                 if self.requests.get(pending.key) is not pending:
                     return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
-            view = await asyncio.wait_for(
-                node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
-                node.settings.peer_call_timeout_seconds,
-            )
-            problem = view.block_ids_problem(remote_blocks)
-            if problem:
-                raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
-            local = engine.local_workers()
-            node.dataplane.check(local, engine.tp_size, view)
-            source = trim_to_tail(remote_blocks, pending.local_blocks)
-            pending.transferring = True
-            outcome = await node.dataplane.run(
-                "READ",
-                local,
-                engine.tp_size,
-                view,
-                pending.local_blocks,
-                source,
-                target_request_id=pending.remote.request_id,
-                transfer_id=pending.transfer_id,
-                timeout=timeout,
-            )
+            for attempt in (1, 2):
+                view = await asyncio.wait_for(
+                    node.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                    node.settings.peer_call_timeout_seconds,
+                )
+                problem = view.block_ids_problem(remote_blocks)
+                if problem:
+                    raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
+                local = engine.local_workers()
+                node.dataplane.check(local, engine.tp_size, view)
+                source = trim_to_tail(remote_blocks, pending.local_blocks)
+                if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
+                    await self._confirm_held(pending)  # the handshake took most of the window
+                    if self.requests.get(pending.key) is not pending:
+                        return  # a heartbeat round failed it meanwhile
+                # The READ must end while the producer still holds the blocks for certain.
+                now = time.monotonic()
+                window = min(give_up, self._readable.get(pending.key, 0.0)) - now
+                pending.transferring = True
+                outcome = await node.dataplane.run(
+                    "READ",
+                    local,
+                    engine.tp_size,
+                    view,
+                    pending.local_blocks,
+                    source,
+                    target_request_id=pending.remote.request_id,
+                    transfer_id=pending.transfer_id,
+                    timeout=window,
+                )
+                if outcome.ok or not outcome.peer_gone or attempt == 2 or pending.cancel_reason:
+                    break
+                if node.peers.is_self(address):
+                    break
+                # The producer's engine may have re-registered (new agent) since we cached its
+                # handshake: NIXL reports that as a disconnect. Handshake afresh and read once more.
+                log.info("pull_retry_after_disconnect", peer=address, engine_id=pending.remote.engine_id)
+                await node.peers.forget_engine(address, pending.remote.engine_id, "transfer from it failed")
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
             return
@@ -340,6 +408,10 @@ class ConsumerSide:
         finally:
             pending.transferring = False
         pending.bytes_moved = outcome.bytes
+        if pending.cancel_reason:
+            self._fail(pending, pending.cancel_reason, reason_label="released")
+            await self._tell_producer(pending, consumed=False, reason=pending.cancel_reason)
+            return
         if outcome.ok:
             node.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
@@ -391,23 +463,76 @@ class ConsumerSide:
             if pending is None:
                 continue
             if pending.cancelling:
-                self._fail(pending, "push did not finish after cancellation", reason_label="timeout")
+                why = pending.cancel_reason or "push did not finish after cancellation"
+                self._fail_fenced(pending, f"{why}; the producer's WRITEs did not end in time", "timeout")
                 continue
             pending.cancelling = True
-            self._node.spawn(self._cancel_push(pending), engines=[])
+            self._node.spawn(
+                self._cancel_push(pending, "push did not arrive before the registration watchdog expired", "timeout"),
+                engines=[],
+            )
 
-    async def _cancel_push(self, pending: ConsumerRequest) -> None:
-        """Watchdog fired: make sure no WRITE is in flight before the blocks go back to the engine."""
+    async def _cancel_push(self, pending: ConsumerRequest, why: str, label: str) -> None:
+        """Released, or the watchdog fired: make sure no WRITE can land before the blocks go back
+        to the engine. Ask the producer to drop the request; if WRITEs are in flight, wait for
+        them (notifications or TransferFailed end it), bounded; if it cannot answer, fence."""
         settings = self._node.settings
-        in_flight = await self._tell_producer(pending, consumed=False, reason="consumer watchdog expired")
+        try:
+            # A PushReg still on its way would otherwise arrive after our Release.
+            await asyncio.wait_for(pending.registration_done.wait(), 2 * settings.peer_call_timeout_seconds)
+        except TimeoutError:
+            pass
         if pending.key not in self.requests:
             return
-        if in_flight:
-            # Completion notifications or TransferFailed will end it; bound the wait anyway.
+        in_flight = await self._ask_producer(pending, consumed=False, reason=why)
+        if pending.key not in self.requests:
+            return
+        if in_flight is None:
+            self._fail_fenced(pending, f"{why}; the producer did not answer", label)
+        elif in_flight:
+            pending.cancel_reason = why
             grace = settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
             self.watchdogs.set(pending.key, time.monotonic() + grace)
-            return
-        self._fail(pending, "push did not arrive before the registration watchdog expired", reason_label="timeout")
+        else:
+            self._fail(pending, why, reason_label=label)
+
+    def _fail_fenced(self, pending: ConsumerRequest, reason: str, label: str) -> None:
+        """LOAD_FAILED for a push whose producer may still write: fence the blocks' pages first."""
+        engine = self._node.registry.engines.get(pending.engine_id)
+        token: FenceToken = []
+        if engine is not None and pending.key in self.requests:
+            try:
+                for worker in engine.ordered_workers():
+                    token += self.fences.revoke(worker.memories, block_byte_ranges(worker.layout, pending.local_blocks))
+            except OSError as exc:
+                log.error(
+                    "push_fence_failed", engine_id=pending.engine_id, request_id=pending.request_id, error=str(exc)
+                )
+            if token:
+                self._fenced.append(_Fence(pending, token))
+                log.warning(
+                    "push_fenced",
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    peer=pending.remote.address,
+                    pages=len(token),
+                )
+        self._fail(pending, f"{reason} (blocks fenced against late WRITEs)" if token else reason, reason_label=label)
+
+    async def _check_fence(self, fence: _Fence) -> None:
+        """Lift a fence once the producer says nothing of the request is in flight, or its sidecar
+        is not running (refused connection: a dead process writes nothing)."""
+        fence.checking = True
+        try:
+            in_flight = await self._ask_producer(
+                fence.request, consumed=False, reason="consumer gave up on the push", wait_for_ready=False
+            )
+        finally:
+            fence.checking = False
+        if in_flight is False and fence in self._fenced:
+            self._fenced.remove(fence)
+            self.fences.lift(fence.token)
+            log.info("push_fence_lifted", engine_id=fence.request.engine_id, request_id=fence.request.request_id)
 
     # --- heartbeats ---------------------------------------------------------------------------
 
@@ -420,6 +545,9 @@ class ConsumerSide:
                 self._pace_changed.clear()
             except TimeoutError:
                 pass
+            for fence in self._fenced:
+                if not fence.checking:
+                    self._node.spawn(self._check_fence(fence), engines=[])
             try:
                 await self.heartbeat_once()
             except Exception as exc:
@@ -494,8 +622,11 @@ class ConsumerSide:
                 checking[(item.engine_id, item.request_id)] = named
             keys.append(key)
         request = peer_pb2.HeartbeatRequest(caller_sidecar_id=node.sidecar_id, engine_id=engine_id, requests=keys)
+        sent = time.monotonic()
         try:
-            response = await node.peers.call(address, "Heartbeat", request)
+            # A periodic heartbeat does not wait for a connection: a dead peer (refused) counts as a
+            # failure at once. A confirmation before a READ waits (the peer may be restarting).
+            response = await node.peers.call(address, "Heartbeat", request, wait_for_ready=raise_errors)
         except SidecarError as exc:
             if raise_errors:
                 raise
@@ -522,6 +653,7 @@ class ConsumerSide:
                 continue
             # Known, and its lease extended to now + lease_seconds: half of that is a safe margin.
             self._confirmed[item_key] = now + response.lease_seconds / 2.0
+            self._readable[item_key] = sent + response.lease_seconds
             if item_key not in checking:
                 continue
             if (key.request_id, key.transfer_id, key.consumer_request_id) in foreign_keys:
@@ -554,7 +686,10 @@ class ConsumerSide:
                         "producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id, reason=reason
                     )
             elif not item.transferring and key in self.requests:
-                self._fail(item, reason, reason_label=label)
+                if item.is_push and item.registered and label == "peer_unreachable":
+                    self._fail_fenced(item, reason, label)  # it may be hung, not dead, and write later
+                else:
+                    self._fail(item, reason, reason_label=label)
 
     # --- common -------------------------------------------------------------------------------
 
@@ -610,6 +745,13 @@ class ConsumerSide:
     async def _tell_producer(self, pending: ConsumerRequest, consumed: bool, reason: str) -> bool:
         """Tell the producer's sidecar it may free (or drop the registration). Returns True if
         transfers are still in flight there. Best effort: its lease frees the blocks otherwise."""
+        return bool(await self._ask_producer(pending, consumed, reason))
+
+    async def _ask_producer(
+        self, pending: ConsumerRequest, consumed: bool, reason: str, wait_for_ready: bool = True
+    ) -> bool | None:
+        """Release at the producer: whether transfers are still in flight there, None if it did not
+        answer. Without ``wait_for_ready``, a refused connection (no process listening) is False."""
         try:
             response = await self._node.peers.call(
                 pending.remote.address,
@@ -623,10 +765,14 @@ class ConsumerSide:
                     consumed=consumed,
                     reason=reason,
                 ),
+                wait_for_ready=wait_for_ready,
             )
+        except Unavailable as exc:
+            log.info("producer_release_undelivered", peer=pending.remote.address, error=str(exc))
+            return None if wait_for_ready else False
         except SidecarError as exc:
             log.info("producer_release_undelivered", peer=pending.remote.address, error=str(exc))
-            return False
+            return None
         return bool(response.in_flight)
 
     def _fail(self, pending: ConsumerRequest, reason: str, reason_label: str) -> None:

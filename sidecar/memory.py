@@ -13,6 +13,17 @@ A worker's file whose export says ``owner_locked`` is removed after its worker i
 creator no longer holds its lock (``engine_shim.memory.remove_if_orphaned``): an engine killed
 with SIGKILL cannot remove its own file.
 
+Write fences (``WriteFences``): a consumer that gives up on a push while the producer's WRITEs
+may still be in flight (the producer's sidecar hung, e.g. stopped) cannot cancel them: over CMA
+the producer writes into this process by address whenever it resumes. So before the blocks go back
+to the engine, the pages holding them are made read-only in *this* process's mapping
+(``mprotect``); the engine keeps writing through its own mapping, while a late remote WRITE fails
+(NIXL reports it as a disconnect). Pages are reference-counted (neighbouring blocks may share one)
+and made writable again once the producer confirms nothing of it is in flight. A fenced page also
+refuses our own READs and other producers' WRITEs (they fail and the engine recomputes), which is
+the price of never letting a stale WRITE land. Over RDMA, pinned memory ignores page protection:
+there the fence would have to deregister the memory (not built; no RDMA here).
+
 VRAM: a CUDA IPC handle opened with ``cudaIpcOpenMemHandle`` (libcudart through ctypes). It is the
 real path on a GPU node; here, without a GPU, it reports FAILED_PRECONDITION.
 
@@ -45,6 +56,8 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 @dataclass(frozen=True)
@@ -242,3 +255,70 @@ def _close_cuda_ipc(memory: MappedMemory) -> None:
         _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(memory._cuda_ptr))
     except FailedPrecondition:
         pass
+
+
+# --- write fences -------------------------------------------------------------------------------
+
+FenceToken = list[tuple[MappedMemory, int]]  # (mapping, page address) per fenced page
+
+
+class WriteFences:
+    """Makes pages of DRAM mappings read-only in this process while a stale remote WRITE may still
+    land in them (see the module docstring). Called from the event loop thread."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, int] = {}  # page address -> number of fences holding it
+
+    @property
+    def fenced_pages(self) -> int:
+        return len(self._pages)
+
+    def revoke(self, memories: list[MappedMemory], ranges: list[tuple[int, int]]) -> FenceToken:
+        """Fence the pages under ``ranges`` (addresses in our mappings); returns what to lift.
+        Raises OSError if a page could not be protected (the caller must then not reuse it)."""
+        page = mmap.PAGESIZE
+        token: FenceToken = []
+        wanted: set[int] = set()
+        for address, length in ranges:
+            first = address - address % page
+            wanted.update(range(first, address + length, page))
+        for start in sorted(wanted):
+            memory = next(
+                (m for m in memories if m.kind == "DRAM" and m._map_base <= start < m._map_base + m._map_length), None
+            )
+            if memory is None or memory._released:
+                continue  # not ours to protect, or already a tombstone (which refuses every write)
+            token.append((memory, start))
+        to_protect = [start for _, start in token if start not in self._pages]
+        for first, count in _runs(to_protect, page):
+            if _libc.mprotect(first, count * page, mmap.PROT_READ) != 0:
+                raise OSError(ctypes.get_errno(), f"mprotect: {os.strerror(ctypes.get_errno())}")
+        for _, start in token:
+            self._pages[start] = self._pages.get(start, 0) + 1
+        return token
+
+    def lift(self, token: FenceToken) -> None:
+        """Make the pages writable again where no other fence holds them (tombstones stay)."""
+        page = mmap.PAGESIZE
+        to_open = []
+        for memory, start in token:
+            count = self._pages.get(start, 0) - 1
+            if count > 0:
+                self._pages[start] = count
+                continue
+            self._pages.pop(start, None)
+            if not memory._released:
+                to_open.append(start)
+        for first, count in _runs(sorted(to_open), page):
+            _libc.mprotect(first, count * page, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _runs(pages: list[int], page: int) -> list[tuple[int, int]]:
+    """Sorted page addresses -> (first page, number of pages) of each contiguous run."""
+    runs: list[tuple[int, int]] = []
+    for start in pages:
+        if runs and runs[-1][0] + runs[-1][1] * page == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((start, 1))
+    return runs

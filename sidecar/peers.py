@@ -260,8 +260,12 @@ class PeerDirectory:
 
     # --- calls ------------------------------------------------------------------------------
 
-    async def call(self, address: str, method: str, request: Any) -> Any:
-        """Call a PeerService method on ``address`` (or on ourselves) with a deadline."""
+    async def call(self, address: str, method: str, request: Any, wait_for_ready: bool = True) -> Any:
+        """Call a PeerService method on ``address`` (or on ourselves) with a deadline.
+
+        ``wait_for_ready=False`` fails at once (UNAVAILABLE) when nothing listens at ``address``,
+        instead of waiting out the deadline for a peer that may be restarting: what a heartbeat
+        wants, so a dead peer is detected in heartbeat periods, not periods + call timeouts."""
         if self.is_self(address):
             response = await getattr(self._local, _HANDLERS[method])(request)
             return response
@@ -273,7 +277,7 @@ class PeerDirectory:
             # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
             # gets until the deadline to come back instead of failing the call at once.
             response = await getattr(stub, method)(
-                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=True
+                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=wait_for_ready
             )
         except grpc.aio.AioRpcError as exc:
             failed = True

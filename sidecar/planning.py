@@ -99,6 +99,18 @@ def physical_block_ids(logical: Sequence[int], physical_per_logical: int) -> np.
     return (ids[:, None] * physical_per_logical + np.arange(physical_per_logical)).reshape(-1)
 
 
+def block_byte_ranges(worker: WorkerLayout, block_ids: BlockIds) -> list[tuple[int, int]]:
+    """(address, length) of every region's bytes of ``block_ids`` (per group) in ``worker``."""
+    per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
+    ranges = []
+    for region in worker.regions:
+        if region.group_id >= len(per_group):
+            continue
+        for block in per_group[region.group_id]:
+            ranges.append((region.base + int(block) * region.block_stride, region.block_len))
+    return ranges
+
+
 def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
     """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region.
 

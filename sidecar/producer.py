@@ -9,6 +9,16 @@ A submitted request is held under a lease until its consumers are done with it:
 - the lease ends it otherwise (LEASE_EXPIRED); consumers' heartbeats extend it. A lease that ends
   while WRITEs are in flight frees the blocks only once they are all terminal.
 
+A pull READ is one-sided: this side cannot see it, let alone cancel it. What bounds it is the
+heartbeat: a consumer reads only after a heartbeat found the request here, and only until that
+heartbeat's send time + ``lease_extension_seconds`` (its transport fails a READ seen DONE later).
+So each heartbeat that finds a request moves its ``readable_until`` to receipt + extension, and
+a request released by its engine (or whose hold TTL ends) while a consumer may still read it is
+not handed back before then: it is ``closing`` (heartbeats answer "unknown", so no new READ
+starts) until its consumers' notifications arrive or ``readable_until`` passes. The lease itself
+always ends after ``readable_until``. This costs nothing on the hot path (no extra call per READ);
+only a release that races a READ waits, for at most one lease extension.
+
 Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
 Runs on the event loop thread.
 """
@@ -49,12 +59,14 @@ class ProducerRequest:
     created: float = field(default_factory=time.monotonic)
     notices: NoticeTally = field(default_factory=NoticeTally)
     writing: bool = False
-    lease_ended: bool = False
     held: bool = False
-    # Held blocks: until when (monotonic) a consumer's heartbeat says it reads them; the hold cap
-    # does not release them before.
-    reading_until: float = 0.0
     bytes_moved: int = 0
+    # Until when (monotonic) a consumer may still READ these blocks (see the module docstring).
+    readable_until: float = 0.0
+    # Released (or its hold TTL ended) but a consumer may still READ: the event to emit when freed.
+    closing: tuple[int, str] | None = None
+    # Why a push's blocks are freed once its WRITEs end: (event kind, reason).
+    end: tuple[int, str] | None = None
 
     @property
     def key(self) -> RequestKey:
@@ -165,7 +177,7 @@ class ProducerSide:
         now = time.monotonic()
         for match in self._node.cache.query(conversation_id=conversation_id, engine_id=engine_id):
             pending = self.requests.get((engine_id, match.entry.request_id))
-            if pending is not None and pending.reading_until <= now:
+            if pending is not None and pending.closing is None and pending.readable_until <= now:
                 reason = "superseded by the conversation's next turn"
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
 
@@ -188,7 +200,7 @@ class ProducerSide:
             if node.cache.blocks_of_engine(engine.engine_id) + wanted <= cap:
                 break
             pending = self.requests.get((held.engine_id, held.request_id))
-            if pending is None or pending.reading_until > now:
+            if pending is None or pending.closing is not None or pending.readable_until > now:
                 continue
             log.info("hold_released_for_room", engine_id=engine.engine_id, request_id=pending.request_id, cap=cap)
             reason = f"hold cap ({share:g} of the engine's blocks): released for a newer hold"
@@ -219,9 +231,9 @@ class ProducerSide:
             )
             return True
         if pending.writing:
-            pending.lease_ended = True  # free once the WRITEs are terminal
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
             return True
-        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"released: {reason}")
+        self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
         return True
 
     # --- PeerService --------------------------------------------------------------------------
@@ -295,11 +307,10 @@ class ProducerSide:
                 key.block_ids, f"requests[{index}].block_ids", node.settings.max_blocks_per_request, required=False
             )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
-            if pending is not None:
-                # A held request too: its consumer is about to read it (multi-turn), so neither
-                # its TTL nor the hold cap may end it meanwhile.
-                self.leases.extend(pending.key, now + extension)
-                pending.reading_until = now + extension
+            if pending is not None and pending.closing is None:
+                if not pending.held:
+                    self.leases.extend(pending.key, now + extension)
+                pending.readable_until = max(pending.readable_until, now + extension)
                 problem = foreign_block_ids(named, pending.block_ids)
                 if problem:
                     # A consumer about to read blocks this request does not own (another request's KV).
@@ -311,6 +322,9 @@ class ProducerSide:
                         problem=problem,
                     )
                     foreign.append(key)
+                continue
+            if pending is not None:
+                unknown.append(key)  # released: no new READ may start
                 continue
             if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
                 continue  # a push registration still waiting for its blocks
@@ -342,7 +356,7 @@ class ProducerSide:
         if pending is None:
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=False)
         if pending.writing:
-            pending.lease_ended = True
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {request.reason}")
             return peer_pb2.PeerReleaseResponse(sidecar_id=node.sidecar_id, found=True, in_flight=True)
         verb = "consumed" if request.consumed else "released"
         self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
@@ -357,7 +371,8 @@ class ProducerSide:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
         if pending.notices.complete(self._node.registry.agent_names(pending.engine_id)):
-            self._finish(pending, engine_pb2.FINISHED_SENDING, hold_end="read")
+            kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
+            self._finish(pending, kind, reason=reason, hold_end="read")
         return True
 
     # --- push ---------------------------------------------------------------------------------
@@ -426,10 +441,14 @@ class ProducerSide:
             await self._send_transfer_failed(address, request, error)
         else:
             node.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
-        kind = engine_pb2.FINISHED_SENDING
-        if error and pending.lease_ended:
-            kind = engine_pb2.LEASE_EXPIRED
-        self._finish(pending, kind, reason=error)
+        kind: int = engine_pb2.FINISHED_SENDING
+        reason = error
+        if pending.end is not None:
+            # The lease ended, or the consumer or engine let go, while the WRITEs ran: say that,
+            # with the WRITE's outcome, rather than call every early end an expiry.
+            kind, why = pending.end
+            reason = f"{why}; write failed: {error}" if error else why
+        self._finish(pending, kind, reason=reason)
 
     async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
         notice = peer_pb2.TransferFailedRequest(
@@ -452,11 +471,19 @@ class ProducerSide:
             pending = self.requests.get(key)
             if pending is None:
                 continue
+            what = "hold TTL" if pending.held else "lease"
             if pending.writing:
-                pending.lease_ended = True
+                self._end_after_writes(
+                    pending, engine_pb2.LEASE_EXPIRED, f"{what} of {pending.lease_seconds:g}s expired"
+                )
+                continue
+            if pending.closing is not None:
+                self._finish(pending, *pending.closing)
+                continue
+            if pending.held and pending.readable_until > time.monotonic():
+                self._finish_when_unread(pending, engine_pb2.LEASE_EXPIRED, f"{what} expired")
                 continue
             self._node.metrics.leases_expired.inc()
-            what = "hold TTL" if pending.held else "lease"
             log.warning(
                 "lease_expired",
                 engine_id=pending.engine_id,
@@ -476,9 +503,10 @@ class ProducerSide:
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
             if not pending.writing:
+                # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
             else:
-                pending.lease_ended = True
+                self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
         for registration in self.matcher.registrations():
             if registration.engine_id == engine_id:
                 self.matcher.remove_registration(registration.key)
@@ -488,6 +516,27 @@ class ProducerSide:
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):
             self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+
+    def _end_after_writes(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free a request being pushed once its WRITEs are terminal, with this event; the first
+        reason given wins."""
+        if pending.end is None:
+            pending.end = (kind, reason)
+
+    def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free now, or, if a consumer may still READ the blocks, once it notified or its READ
+        bound (``readable_until``) passed. See the module docstring."""
+        if pending.accepts_pull and pending.readable_until > time.monotonic():
+            pending.closing = (kind, reason)
+            self.leases.set(pending.key, pending.readable_until)
+            log.info(
+                "release_waits_for_reader",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                seconds=round(pending.readable_until - time.monotonic(), 3),
+            )
+            return
+        self._finish(pending, kind, reason=reason)
 
     def awaiting_consumers(self) -> int:
         """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
@@ -504,7 +553,7 @@ class ProducerSide:
 
     def _finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
         """End a request: its engine gets FINISHED_SENDING / LEASE_EXPIRED. ``hold_end`` labels why
-        a held request ended (metrics: read, ttl, cap, released, engine_gone)."""
+        a held request ended (metrics: read, ttl, cap, superseded, released, engine_gone)."""
         if self.requests.pop(pending.key, None) is None:
             return
         if pending.transfer_id:

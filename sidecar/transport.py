@@ -20,6 +20,12 @@ NIXL has no timeouts of its own: every transfer carries a deadline enforced here
 that cannot be cancelled at its deadline keeps its handle (and therefore its blocks) until NIXL
 releases it; its waiter learns the outcome only then, because handing the blocks back while the
 transfer may still write would corrupt the next request's KV.
+
+A deadline is also a validity bound, not only a timeout: the caller may pass one after which the
+other side may reuse the memory (a pull's producer lease). So a transfer found DONE only after its
+deadline is reported as failed (it may have finished after the other side gave up, e.g. this
+process was stopped mid-transfer and resumed), and each poll cancels overdue transfers before it
+drives any progress, so a resumed process does not progress them further.
 """
 
 from __future__ import annotations
@@ -292,6 +298,14 @@ class NixlTransport:
 
     def _poll(self) -> bool:
         progressed = False
+        # Overdue transfers end before anything below drives progress (a resumed process must not
+        # move a transfer's bytes further once its deadline passed).
+        now = time.monotonic()
+        for xfer_id, xfer in list(self._in_flight.items()):
+            if now > xfer.deadline:
+                xfer.cancel_reason = f"{xfer.op} did not complete within its deadline"
+                self._finish(xfer_id, TransferResult(False, xfer.cancel_reason))
+                progressed = True
         notifications: list[tuple[str, bytes]] = []
         for name, state in self._agents.items():
             try:
@@ -317,7 +331,7 @@ class NixlTransport:
                 progressed = True
                 continue
             if status == "DONE":
-                self._finish(xfer_id, self._telemetry(owner, xfer))
+                self._finish(xfer_id, self._done(owner, xfer))
                 progressed = True
             elif status != "PROC":
                 self._finish(xfer_id, TransferResult(False, f"NIXL reported transfer state {status}"))
@@ -333,6 +347,14 @@ class NixlTransport:
                 self._complete(xfer.future, TransferResult(False, xfer.cancel_reason or "transfer failed"))
                 progressed = True
         return progressed
+
+    def _done(self, state: _Agent, xfer: _InFlight) -> TransferResult:
+        """The result of a transfer NIXL reported DONE: a failure if seen only after its deadline,
+        since its bytes may then have moved after the other side reused the memory."""
+        if time.monotonic() > xfer.deadline:
+            log.warning("nixl_transfer_done_after_deadline", agent=xfer.agent_name, op=xfer.op)
+            return TransferResult(False, f"{xfer.op} completed only after its deadline; its data is not trusted")
+        return self._telemetry(state, xfer)
 
     def _telemetry(self, state: _Agent, xfer: _InFlight) -> TransferResult:
         result = TransferResult(True, duration_s=time.monotonic() - xfer.started)
@@ -506,7 +528,7 @@ class NixlTransport:
                 self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
                 return _DEFERRED
         if status == "DONE":
-            self._finish(xfer_id, self._telemetry(state, xfer))
+            self._finish(xfer_id, self._done(state, xfer))
         elif status != "PROC":
             self._finish(xfer_id, TransferResult(False, f"NIXL refused the transfer (state {status})"))
         return _DEFERRED
