@@ -307,11 +307,22 @@ class MultiTurn:
         self._decide(request_id, lookup, plan)
         return (plan.tokens, True) if plan.tokens > 0 else (0, False)
 
-    def _ask(self, request: Request, params: Mapping[str, Any], num_computed_tokens: int) -> _Lookup | None:
+    def prefetch(self, request: Request) -> None:
+        """``on_new_request`` of a prefill leg: start the lookup now, so its answer is usually in by
+        the time the scheduler first asks (no ``None`` round)."""
+        params = request.kv_transfer_params or {}
+        fresh = request.request_id not in self._lookups and not params.get("_multiturn_loaded")
+        if fresh and params.get("multi_turn") is not False:
+            self._ask(request, params, 0, counted=False)
+
+    def _ask(
+        self, request: Request, params: Mapping[str, Any], num_computed_tokens: int, counted: bool = True
+    ) -> _Lookup | None:
         hashes = prompt_block_hashes(request, self.block_size)
         reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
         if reachable * self.block_size - num_computed_tokens < max(1, self.config.recompute_threshold):
-            self.outcomes["below_threshold"] += 1  # not worth a query: nothing could be loaded
+            if counted:
+                self.outcomes["below_threshold"] += 1  # not worth a query: nothing could be loaded
             return None
         address, remote_request = "", ""
         host, port = params.get("remote_host"), params.get("remote_port")

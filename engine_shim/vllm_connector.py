@@ -416,6 +416,8 @@ class _SchedulerSide:
             and (params.get("remote_request_id") or params.get("transfer_id"))
         ):
             self._arrived[request.request_id] = request
+        elif self.multiturn is not None and params and params.get("do_remote_decode") and not self._down:
+            self.multiturn.prefetch(request)  # multi-turn hook: ask for a hold while it waits
 
     def _keep_alive(self, request: Request) -> None:
         params = request.kv_transfer_params

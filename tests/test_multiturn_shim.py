@@ -143,6 +143,14 @@ def test_d_holds_a_finished_turn_and_p_loads_it_without_blocking_the_scheduler(s
         assert turn2.kv_transfer_params["_multiturn_loaded"]
         assert prefill.matched_tokens(turn2, 0) == (0, False)  # rescheduled after its load: no second load
 
+        # Asked on arrival (on_new_request), the answer is in before the scheduler first asks.
+        again = vllm_request(
+            "turn2b", [*history, *range(500, 540)], {"do_remote_decode": True, "conversation_id": "conv"}
+        )
+        prefill.prefetch(again)
+        wait_until(lambda: prefill._lookups["turn2b"].future.done(), 10.0, 0.01, "the prefetched lookup")
+        assert prefill.matched_tokens(again, 0) == (4 * BS, True)
+
 
 def test_a_lookup_that_outlives_its_bound_lets_p_compute(sidecars, engines) -> None:
     side = sidecars("s")
