@@ -328,6 +328,7 @@ class MultiTurn:
         host, port = params.get("remote_host"), params.get("remote_port")
         if params.get("remote_request_id") and params.get("remote_engine_id") and host and port:
             # The router passed D's keys (vLLM's multi-turn proxy): ask that sidecar for that hold.
+            host = f"[{host}]" if ":" in str(host) and not str(host).startswith("[") else host  # bare IPv6
             address, remote_request = f"{host}:{int(port)}", str(params["remote_request_id"])
         conversation = "" if remote_request else str(params.get("conversation_id") or "")
         timeout = self.config.query_timeout

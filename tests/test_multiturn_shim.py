@@ -151,6 +151,23 @@ def test_d_holds_a_finished_turn_and_p_loads_it_without_blocking_the_scheduler(s
         wait_until(lambda: prefill._lookups["turn2b"].future.done(), 10.0, 0.01, "the prefetched lookup")
         assert prefill.matched_tokens(again, 0) == (4 * BS, True)
 
+        # A router that passes D's own keys (vLLM's multi-turn proxy) gets the hold they name, still
+        # verified by hashes: here P's sidecar asks the named sidecar for that request id.
+        host, port = side.address.rsplit(":", 1)
+        keys = {
+            **params,
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_host": host,
+            "remote_port": port,
+        }
+        keys.pop("conversation_id")
+        named = vllm_request("turn2c", [*history, *range(500, 540)], keys)
+        prefill.prefetch(named)
+        wait_until(lambda: prefill._lookups["turn2c"].future.done(), 10.0, 0.01, "the lookup by D's keys")
+        assert prefill.matched_tokens(named, 0) == (4 * BS, True)
+        assert prefill.take_load(named, 4 * BS).request_id == "turn1"
+
 
 def test_a_lookup_that_outlives_its_bound_lets_p_compute(sidecars, engines) -> None:
     side = sidecars("s")
