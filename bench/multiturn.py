@@ -49,6 +49,10 @@ from tests.support.vllm_engine import sidecar_kv_transfer_config  # noqa: E402
 
 ANSWER = 128  # D's answer at turn 1 (tokens)
 NEW = 64  # the user's new message at turn 2 (tokens)
+# P's bound on the cache query. The default (10 ms) is for an idle node; on a shared 2-core VM the
+# answer can take 10-300 ms and the lookup would time out (P recomputes). The answer's latency is
+# part of the measured TTFT either way.
+QUERY_TIMEOUT = 1.0
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 
 
@@ -101,7 +105,8 @@ class Bench:
 
     def server(self, name: str, role: str, cpu: int, socket: Path, prefix_caching: bool = True) -> Server:
         engine_id = f"mtb-{name}-{self.token}"
-        config = sidecar_kv_transfer_config(engine_id, role, socket, {"multi_turn": True, "transfer_mode": "pull"})
+        extra = {"multi_turn": True, "transfer_mode": "pull", "multi_turn_query_timeout": QUERY_TIMEOUT}
+        config = sidecar_kv_transfer_config(engine_id, role, socket, extra)
         flags = [] if prefix_caching else ["--no-enable-prefix-caching"]
         server = Server(
             self.workdir, name, self.model, cpu=cpu, kv_space_gib=2, kv_transfer_config=config, patch_dirs=[],
