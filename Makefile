@@ -31,8 +31,9 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm"
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar engine_shim tests bench examples
+	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-logo
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -54,4 +55,4 @@ bench-multiturn: setup
 	$(PY) -m bench.multiturn --json bench/out/multiturn.json --png bench/out/multiturn.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

@@ -98,7 +98,9 @@ def vllm_config(model: Path, socket: str | None) -> Any:
     return args.create_engine_config()
 
 
-def kv_cache_config(config: Any, num_blocks: int) -> Any:
+def kv_cache_config(config: Any, num_blocks: int, layout: str = "LBHNC") -> Any:
+    """Two full-attention layers of ``num_blocks`` blocks (32 tokens, 2 heads of 32, float32) in one
+    tensor, as vLLM's CPU backend allocates them (also used by tests/test_vllm_shim.py)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
@@ -116,7 +118,7 @@ def kv_cache_config(config: Any, num_blocks: int) -> Any:
             )
         ],
         kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
-        kv_cache_layout="LBHNC",
+        kv_cache_layout=layout,
     )
 
 
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
 
-    from sidecar.launcher import DaemonProcess
+    from sidecar.tools.launcher import DaemonProcess
     from tests.support.tiny_models import build_tiny_llama
 
     workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))

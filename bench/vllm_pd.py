@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sidecar.launcher import DaemonProcess  # noqa: E402
+from sidecar.tools.launcher import DaemonProcess  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
 from tests.support.vllm_engine import (  # noqa: E402
     VllmServer,

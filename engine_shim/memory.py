@@ -4,11 +4,10 @@
 mapping as its KV cache (vLLM's CPU KV buffer, or a GPU engine's host staging buffer), and the
 sidecar maps the same file by name. No header, no refcounting: the file holds exactly the KV bytes.
 
-Ownership: the creating process holds an exclusive ``flock`` on the file for the buffer's life
-and unlinks it on close. A process that dies without closing (SIGKILL, OOM) drops the lock with
-it, which is how the sidecar tells an orphaned file from a live one and removes it
-(``remove_if_orphaned``). The file is created nameless (``O_TMPFILE``), locked,
-and only then linked under its name, so no one ever sees it named and unlocked.
+Ownership follows the shared-memory contract (``kvsidecar.shm``): the creating process holds an
+exclusive ``flock`` on the file for the buffer's life and unlinks it on close, so a file whose
+creator died is an orphan the sidecar (or the next engine) removes with
+``kvsidecar.shm.remove_if_orphaned``.
 
 ``kv_registration`` describes the common vLLM layout (one storage, one region per layer, each a
 slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
@@ -16,10 +15,8 @@ slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
-import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsidecar.shm import SHM_DIR, SIMULATED_PREFIX, create_locked
 from kvsidecar.v1 import common_pb2, engine_pb2
-
-SHM_DIR = Path("/dev/shm")
 
 
 class SharedBuffer:
@@ -39,19 +35,13 @@ class SharedBuffer:
         if size <= 0:
             raise ValueError("size must be > 0")
         self.size = size
-        self.path = directory / (name or f"kvsidecar-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.path = directory / (name or f"{SIMULATED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self._fd = create_locked(directory, self.path.name, size)  # tmpfs: reads as zeros
         try:
-            # Without O_EXCL: a nameless file may be linked once, below.
-            self._fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create a shared-memory file in {directory}: {exc.strerror}") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(self._fd, size)  # tmpfs: reads as zeros
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self._mmap = mmap.mmap(self._fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            _link(self._fd, self.path)
         except BaseException:
+            self.path.unlink(missing_ok=True)
             os.close(self._fd)
             raise
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -84,45 +74,6 @@ class SharedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _link(fd: int, path: Path) -> None:
-    """Give the nameless file ``fd`` the name ``path``: linkat(AT_SYMLINK_FOLLOW) on its /proc
-    magic link. os.link uses linkat only when a dir_fd is given; plain link() would link the
-    symlink itself."""
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.link(f"/proc/self/fd/{fd}", path.name, dst_dir_fd=directory, follow_symlinks=True)
-    finally:
-        os.close(directory)
-
-
-def remove_if_orphaned(path: Path) -> bool:
-    """Remove ``path`` if it is a ``SharedBuffer`` file whose creator died without closing it:
-    the creator's lock is gone, so this process can take it. True if it removed the file.
-
-    Only for files made by ``SharedBuffer`` (or another owner that keeps the same lock): any other
-    file is never locked and would look orphaned."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False  # gone already, or not ours to open
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # its creator is alive
-        try:
-            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
-                return False  # the name now belongs to another file
-            os.unlink(path)
-        except OSError:
-            return False  # gone meanwhile, or a directory we may not remove names from
-        return True
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)

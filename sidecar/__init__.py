@@ -1,8 +1,19 @@
 """kvsidecar: the per-node KV-cache transport daemon.
 
-Dependencies point one way: ``cli`` -> ``server`` -> servicers (``engine_api``, ``peer_api``) ->
-``node`` (the core) -> ``transport`` / ``peers`` -> pure logic (``planning``, ``leases``,
-``matching``, ``cache_index``). The core never imports a servicer.
+Sub-packages by role, dependencies pointing one way (checked by ``lint-imports``, contracts in
+``pyproject.toml``; ARCHITECTURE.md walks through them):
+
+- ``app``: the process shell (cli, server, liveness, systemd);
+- ``api``: the thin gRPC servicers and the interceptor that maps errors to statuses;
+- ``tools``: demo, benchmark, workload driver, status view, process launcher (not the daemon);
+- ``core``: the node's state machines (registration, events, producer, consumer, holds) and pure
+  request logic (matching, leases, timers, notices, cache index, validation);
+- ``peers``: the typed client for other sidecars (channels, addresses, handshake cache);
+- ``dataplane``: the NIXL owner thread, memory import, the request mover and ``plan`` (pure
+  TP / block / layout / descriptor math).
+
+This top level holds the foundation every sub-package may import: the version, ``config``,
+``errors``, ``logs`` and ``metrics``.
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """Domain errors raised by the core and mapped to gRPC status codes at the servicer boundary.
 
-The core raises these plain exceptions; ``server.ErrorMappingInterceptor`` turns them into a gRPC
-status with the message, so every servicer stays thin and tests can drive the core without gRPC.
+The core raises these plain exceptions; ``sidecar.api.interceptor.CallInterceptor`` turns them
+into a gRPC status with the message, so every servicer stays thin and tests can drive the core
+without gRPC. The peer client (``sidecar.peers.client``) maps a peer's status back to them.
 """
 
 from __future__ import annotations

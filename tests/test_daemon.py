@@ -20,7 +20,7 @@ from tests.support.processes import REPO, SidecarProcess, python_env, wait_until
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", *args],
+        [sys.executable, "-m", "sidecar.app.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,6 +1,6 @@
 """DeadlineHeap: expiry by deadline, not by insertion order (vllm #58222)."""
 
-from sidecar.leases import DeadlineHeap
+from sidecar.core.leases import DeadlineHeap
 
 
 def test_expired_in_deadline_order_not_insertion_order() -> None:

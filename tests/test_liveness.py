@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.app.liveness import LivenessMonitor
+from sidecar.app.server import SidecarServer
 from sidecar.config import NixlSettings, load_settings
-from sidecar.liveness import LivenessMonitor
-from sidecar.server import SidecarServer
-from sidecar.transport import NixlTransport
+from sidecar.dataplane.transport import NixlTransport
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -2,15 +2,15 @@
 
 import random
 
-from sidecar.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
 
 
 def reg(request_id: str, transfer_id: str = "", prefill_request_id: str = "", engine: str = "P") -> Registration:
-    return Registration(engine, "D", request_id, transfer_id, prefill_request_id, payload=request_id)
+    return Registration(engine, "D", request_id, transfer_id, prefill_request_id, order=request_id)
 
 
 def sub(request_id: str, transfer_id: str = "", engine: str = "P") -> Submission:
-    return Submission(engine, request_id, transfer_id, payload=request_id)
+    return Submission(engine, request_id, transfer_id)
 
 
 def test_base_request_id_strips_only_the_random_suffix() -> None:

@@ -16,10 +16,11 @@ import grpc
 import pytest
 
 from engine_shim.client import SidecarClient
-from engine_shim.memory import KvLayout, SharedBuffer, kv_registration, remove_if_orphaned
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.dataplane.memory import ExportSpec, MemoryImporter
 from sidecar.errors import FailedPrecondition, InvalidArgument
-from sidecar.memory import ExportSpec, MemoryImporter
 from tests.support.processes import EngineProcess, wait_until
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=4096)

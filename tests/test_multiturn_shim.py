@@ -1,4 +1,4 @@
-"""The connector's multi-turn policy (engine_shim.multiturn): which prefix P loads from a hold, and
+"""The connector's multi-turn policy (engine_shim.vllm.multiturn): which prefix P loads from a hold, and
 the scheduler-side lookup against a real sidecar with vLLM's own ``Request`` and block hashes (no
 vLLM engine: see tests/test_vllm_multiturn.py for that)."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine_shim.client import SidecarClient
-from engine_shim.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
+from engine_shim.vllm.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
 from tests.support.processes import SidecarProcess, wait_until
 
 BS = 32

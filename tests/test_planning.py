@@ -3,20 +3,11 @@
 import numpy as np
 import pytest
 
-from sidecar.planning import (
-    PlanError,
-    RegionLayout,
-    Slice,
-    WorkerLayout,
-    check_block_ids,
-    check_compatible,
-    descriptor_indices,
-    expected_notifications,
-    pairings,
-    physical_block_ids,
-    trim_to_tail,
-    view_descriptors,
-)
+from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
+from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.plan.descriptors import descriptor_indices, physical_block_ids, view_descriptors
+from sidecar.dataplane.plan.layout import PlanError, RegionLayout, Slice, WorkerLayout
+from sidecar.dataplane.plan.tp import expected_notifications, pairings
 
 
 def layout(

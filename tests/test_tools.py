@@ -20,7 +20,7 @@ ROW_FIELDS = {"scenario": str, "path": str, "bytes": int, "p50_ms": float, "p99_
 def test_demo_moves_and_verifies_every_byte_in_push_and_pull() -> None:
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "demo"], capture_output=True, text=True, timeout=180, env=python_env()
+        [sys.executable, "-m", "sidecar.app.cli", "demo"], capture_output=True, text=True, timeout=180, env=python_env()
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK: every byte arrived intact." in result.stdout
@@ -35,7 +35,7 @@ def test_demo_moves_and_verifies_every_byte_in_push_and_pull() -> None:
 def test_demo_stops_cleanly_on_ctrl_c() -> None:
     before = {name for name in os.listdir("/dev/shm") if name.startswith("kvsidecar-")}
     demo = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--requests", "100000", "--concurrency", "2"],
+        [sys.executable, "-m", "sidecar.app.cli", "demo", "--requests", "100000", "--concurrency", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(), start_new_session=True,
     )  # fmt: skip
     try:
@@ -58,7 +58,7 @@ def test_demo_stops_cleanly_on_ctrl_c() -> None:
 def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_path: Path) -> None:
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "bench", "--quick", "--json", str(out), "--png", str(plot)],
+        [sys.executable, "-m", "sidecar.app.cli", "bench", "--quick", "--json", str(out), "--png", str(plot)],
         capture_output=True, text=True, timeout=300, env=python_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -9,8 +9,10 @@ import numpy as np
 
 from engine_shim.memory import SharedBuffer
 from sidecar.config import NixlSettings
-from sidecar.planning import RegionLayout, Slice, WorkerLayout, descriptor_indices, view_descriptors
-from sidecar.transport import DlistSpec, NixlTransport, RemoteAgent
+from sidecar.dataplane.contract import DlistSpec, RemoteAgent, TransferSpec
+from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
+from sidecar.dataplane.plan.layout import RegionLayout, Slice, WorkerLayout
+from sidecar.dataplane.transport import NixlTransport
 
 BLOCKS, BLOCK_LEN, LAYERS = 64, 16384, 2
 
@@ -40,10 +42,10 @@ def test_reads_merge_adjacent_blocks_and_move_the_bytes() -> None:
 
             async def read(blocks: list[int], note: bytes) -> tuple[int, int]:
                 ids = (tuple(blocks),)
-                result = await transport.transfer(
+                result = await transport.transfer(TransferSpec(
                     "dst", "READ", RemoteAgent("src", meta_src), local_list, descriptor_indices(dst, ids),
                     remote_list, descriptor_indices(src, ids), note, time.monotonic() + 10,
-                )  # fmt: skip
+                ))  # fmt: skip
                 assert result.ok, result.error
                 return result.bytes, result.descriptors
 
@@ -83,15 +85,16 @@ def test_a_refused_post_is_a_failed_result_not_an_exception() -> None:
             spec = DlistSpec("whole", lambda: view_descriptors(one, Slice()))
             indices = np.array([0], dtype=np.int32)
             # Unknown remote metadata, an expired lease, and a vanished local agent.
-            garbage = await transport.transfer("a", "WRITE", RemoteAgent("ghost", b"not metadata"), spec, indices,
-                                               spec, indices, b"", time.monotonic() + 5)  # fmt: skip
+            garbage = await transport.transfer(TransferSpec("a", "WRITE", RemoteAgent("ghost", b"not metadata"), spec,
+                                               indices, spec, indices, b"", time.monotonic() + 5))  # fmt: skip
             assert not garbage.ok and "setup failed" in garbage.error
-            late = await transport.transfer("a", "WRITE", RemoteAgent("ghost", b"x"), spec, indices, spec, indices,
-                                            b"", time.monotonic() + 5, not_after=time.monotonic() - 1)  # fmt: skip
+            late = await transport.transfer(TransferSpec("a", "WRITE", RemoteAgent("ghost", b"x"), spec, indices,
+                                            spec, indices, b"", time.monotonic() + 5,
+                                            not_after=time.monotonic() - 1))  # fmt: skip
             assert not late.ok and "lease" in late.error
             await transport.drop_agent("a")
-            gone = await transport.transfer("a", "WRITE", RemoteAgent("ghost", b"x"), spec, indices, spec, indices,
-                                            b"", time.monotonic() + 5)  # fmt: skip
+            gone = await transport.transfer(TransferSpec("a", "WRITE", RemoteAgent("ghost", b"x"), spec, indices, spec,
+                                            indices, b"", time.monotonic() + 5))  # fmt: skip
             assert not gone.ok and "gone" in gone.error
         await transport.stop()
 

@@ -9,9 +9,11 @@ import pytest
 
 from kvsidecar.v1 import common_pb2
 from sidecar.config import ConfigError, load_settings, unknown_env_variables
+from sidecar.core.validation import address, address_problem, block_ids
+from sidecar.dataplane.plan.blocks import foreign_block_ids
+from sidecar.dataplane.plan.descriptors import descriptor_indices
+from sidecar.dataplane.plan.layout import PlanError, RegionLayout, WorkerLayout
 from sidecar.errors import InvalidArgument
-from sidecar.planning import PlanError, RegionLayout, WorkerLayout, descriptor_indices, foreign_block_ids
-from sidecar.validation import address, address_problem, block_ids
 
 
 @pytest.mark.parametrize(

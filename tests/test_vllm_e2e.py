@@ -622,10 +622,10 @@ def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_b
     and the shim's torch-shm export takes over, instead of vLLM failing to start."""
     import torch
 
-    from engine_shim.memory import remove_if_orphaned
-    from engine_shim.vllm_connector import _ShmKvAllocation
+    from engine_shim.vllm.kv_memory import ShmKvAllocation
+    from kvsidecar.shm import remove_if_orphaned
 
-    allocation = _ShmKvAllocation({8192}, Path("/dev/shm") / f"kvsvllm-test-{uuid.uuid4().hex[:8]}")
+    allocation = ShmKvAllocation({8192}, Path("/dev/shm") / f"kvsvllm-test-{uuid.uuid4().hex[:8]}")
     with allocation:
         tensor = torch.zeros(8192, dtype=torch.int8)
         other = torch.zeros(4096, dtype=torch.int8)  # not the KV cache: untouched
@@ -640,7 +640,7 @@ def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_b
         allocation.buffer.close()
     assert not allocation.path.exists()
 
-    missing = _ShmKvAllocation({8192}, Path("/nonexistent-dir") / "kvsvllm-x")
+    missing = ShmKvAllocation({8192}, Path("/nonexistent-dir") / "kvsvllm-x")
     with missing:
         fallback = torch.zeros(8192, dtype=torch.int8)
     assert missing.buffer is None and fallback.shape == (8192,) and not fallback.any()
@@ -649,8 +649,8 @@ def test_the_kv_allocation_is_a_locked_shm_file_and_falls_back_where_it_cannot_b
 def test_connector_stats_add_up_across_workers_and_intervals() -> None:
     """What vLLM's stat logger prints: outcomes recorded on two workers, taken once per step,
     shipped as plain data, rebuilt and aggregated, then reduced."""
+    from engine_shim.vllm.stats import SidecarKVConnectorStats
     from engine_shim.vllm_connector import SidecarConnector
-    from engine_shim.vllm_stats import SidecarKVConnectorStats
 
     first, second = SidecarKVConnectorStats(), SidecarKVConnectorStats()
     assert first.take() is None  # nothing happened: vLLM gets None

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sidecar.launcher import REPO_ROOT, DaemonProcess, child_env, kill_group
+from sidecar.tools.launcher import REPO_ROOT, DaemonProcess, child_env, kill_group
 
 REPO = REPO_ROOT
 python_env = child_env

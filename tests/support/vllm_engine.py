@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sidecar.launcher import kill_group
+from sidecar.tools.launcher import kill_group
 from tests.support.processes import python_env
 
 
@@ -50,6 +50,7 @@ def sidecar_kv_transfer_config(
     """vLLM's ``kv_transfer_config`` for the SidecarConnector, as a user writes it (README)."""
     return {
         "kv_connector": "SidecarConnector",
+        # The old path on purpose: existing settings name it, and the e2e tests keep the alias working.
         "kv_connector_module_path": "engine_shim.vllm_connector",
         "kv_role": role,
         "engine_id": engine_id,

@@ -1,0 +1,5 @@
+"""The vLLM connector shim as a package; ``connector.SidecarConnector`` is what vLLM loads.
+
+See ``connector``'s docstring for the roles and threads. Importing this package imports nothing;
+every submodule imports vLLM (and ``vllm`` below always means the real vLLM package).
+"""

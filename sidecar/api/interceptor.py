@@ -1,0 +1,139 @@
+"""The one interceptor both gRPC servers run: per call it binds the logging context (``rpc=``),
+counts and times the call, answers undecodable requests INVALID_ARGUMENT, and maps the core's
+domain errors (``sidecar.errors.SidecarError``) to their gRPC status. Servicers therefore stay
+one line per method.
+
+Runs on the event loop thread, around every servicer call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+
+from sidecar.errors import InvalidArgument, SidecarError
+from sidecar.logs import get_logger
+from sidecar.metrics import SidecarMetrics
+
+log = get_logger("kvsidecar.server")
+
+
+class CallInterceptor(grpc.aio.ServerInterceptor):
+    """Per call: bind logging context, count and time it, and map domain errors to statuses.
+
+    A ``SidecarError`` becomes its status with its message; anything else is a bug, logged with
+    its traceback and answered INTERNAL, and the daemon keeps serving.
+    """
+
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self._metrics = metrics
+        self._counters: dict[tuple[str, str, grpc.StatusCode], Any] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        deserializer = _tolerant(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, service, method),
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, service, method),
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap_unary(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
+        short = service.rsplit(".", 1)[-1]
+        duration = self._metrics.rpc_duration.labels(service=short, method=method)
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            try:
+                async with self._handled(short, method, context):
+                    _reject_undecodable(request)
+                    return await behavior(request, context)
+            finally:
+                duration.observe(time.perf_counter() - started)
+
+        return wrapped
+
+    def _wrap_stream(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
+        short = service.rsplit(".", 1)[-1]
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with self._handled(short, method, context):
+                _reject_undecodable(request)
+                async for item in behavior(request, context):
+                    yield item
+
+        return wrapped
+
+    @contextlib.asynccontextmanager
+    async def _handled(self, service: str, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Bind the call's logging context, count it, and turn exceptions into statuses."""
+        code = grpc.StatusCode.OK
+        with structlog.contextvars.bound_contextvars(rpc=f"{service}/{method}"):
+            try:
+                yield
+            except SidecarError as exc:
+                code = exc.code
+                log.info("rpc_rejected", code=code.name, error=str(exc))
+                await context.abort(code, str(exc))
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                code = grpc.StatusCode.INTERNAL
+                log.exception("rpc_failed", error=repr(exc))
+                await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+            finally:
+                counter = self._counters.get((service, method, code))
+                if counter is None:
+                    counter = self._metrics.rpc_requests.labels(service=service, method=method, code=code.name)
+                    self._counters[(service, method, code)] = counter
+                counter.inc()
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not a valid message, so the call can be answered
+    INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Undecodable(str(exc))
+
+    return deserialize
+
+
+def _reject_undecodable(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument("request", f"is not a valid protobuf message: {request.error}")

@@ -1,0 +1,44 @@
+"""PeerService servicer: one line per RPC, through the node's routing table (``peers.routes``),
+the same table a call to this sidecar's own address takes. Runs on the event loop thread."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from sidecar.peers.routes import PeerRoutes
+
+
+class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, routes: PeerRoutes) -> None:
+        self._routes = routes
+
+    async def Handshake(
+        self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.HandshakeResponse:
+        return await self._routes.handshake(request)
+
+    async def PushReg(
+        self, request: peer_pb2.PushRegRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.PushRegResponse:
+        return await self._routes.push_reg(request)
+
+    async def Heartbeat(
+        self, request: peer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.HeartbeatResponse:
+        return await self._routes.heartbeat(request)
+
+    async def QueryCache(
+        self, request: peer_pb2.PeerQueryCacheRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.PeerQueryCacheResponse:
+        return await self._routes.query_cache(request)
+
+    async def TransferFailed(
+        self, request: peer_pb2.TransferFailedRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.TransferFailedResponse:
+        return await self._routes.transfer_failed(request)
+
+    async def Release(
+        self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.PeerReleaseResponse:
+        return await self._routes.release(request)

@@ -1,0 +1,232 @@
+"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``demo``, ``bench``.
+
+Subcommands import their heavy modules lazily, so ``kvsidecar status`` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from sidecar import __version__
+
+# Flags of `serve` that map one-to-one onto settings (flag name -> (setting, type, help)).
+_SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--engine-socket": ("engine_socket", str, "Unix socket of EngineService"),
+    "--engine-tcp-listen": ("engine_tcp_listen", str, "optional loopback HOST:PORT for EngineService"),
+    "--peer-listen": ("peer_listen", str, "HOST:PORT to bind PeerService (default 127.0.0.1:50151)"),
+    "--advertise": ("advertise", str, "HOST:PORT peers use to reach this sidecar"),
+    "--metrics-listen": ("metrics_listen", str, "HOST:PORT of the Prometheus endpoint, or 'off'"),
+    "--log-format": ("log_format", str, "auto | json | console"),
+    "--log-level": ("log_level", str, "debug | info | warning | error"),
+    "--lease-seconds": ("lease_seconds", float, "producer lease length"),
+    "--push-registration-timeout-seconds": ("push_registration_timeout_seconds", float, "push watchdog"),
+    "--transfer-timeout-seconds": ("transfer_timeout_seconds", float, "bound on one pull / one transfer"),
+    "--shutdown-grace-seconds": ("shutdown_grace_seconds", float, "graceful shutdown budget"),
+    "--hold-ttl-seconds": ("hold_ttl_seconds", float, "default hold time of HoldBlocks (multi-turn)"),
+    "--hold-max-share": ("hold_max_share", float, "share of an engine's KV blocks its holds may occupy"),
+}
+
+
+def _add_serve(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the kvsidecar daemon. Settings: embedded defaults < --config TOML < KVSIDECAR_* "
+        "environment variables < flags.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML settings file (also $KVSIDECAR_CONFIG)")
+    for flag, (_, kind, text) in _SERVE_FLAGS.items():
+        parser.add_argument(flag, type=kind, default=None, help=text)
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="shut down when this process (the one starting the daemon) exits; for supervisors other than systemd",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other setting, e.g. --set nixl.poll_interval_max_ms=2 (repeatable)",
+    )
+    parser.set_defaults(func=_serve)
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set a.b=v`` items as nested overrides; raises ConfigError for one without NAME=."""
+    from sidecar.config import ConfigError
+
+    overrides: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        parts = name.split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"--set expects NAME=VALUE (e.g. --set nixl.backends=UCX), got {item!r}")
+        target = overrides
+        for part in parts[:-1]:
+            nested = target.setdefault(part, {})
+            if not isinstance(nested, dict):
+                raise ConfigError(f"--set {name}: {part} is not a group of settings")
+            target = nested
+        target[parts[-1]] = value
+    return overrides
+
+
+def _check_backends(backends: list[str]) -> None:
+    """Raise ConfigError unless NIXL offers every configured backend."""
+    from sidecar.config import ConfigError
+    from sidecar.dataplane.transport import NixlUnavailable, available_backends
+
+    try:
+        offered = available_backends()
+    except NixlUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+    missing = [name for name in backends if name not in offered]
+    if missing:
+        raise ConfigError(
+            f"invalid setting 'nixl.backends' (got {backends!r}): NIXL offers no backend {', '.join(missing)}; "
+            f"it offers {', '.join(offered)} [from --set nixl.backends=..., KVSIDECAR_NIXL__BACKENDS or --config]"
+        )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from sidecar.config import ConfigError, load_settings, unknown_env_variables
+    from sidecar.logs import configure_logging, get_logger
+
+    try:
+        overrides = _parse_sets(args.set)
+        for flag, (setting, _, _) in _SERVE_FLAGS.items():
+            value = getattr(args, flag.lstrip("-").replace("-", "_"))
+            if value is not None:
+                overrides[setting] = value
+        settings = load_settings(overrides, args.config)
+        _check_backends(settings.nixl.backends)
+    except ConfigError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    for variable, closest in unknown_env_variables(os.environ):
+        # Likely a typo: say so rather than run with the default the operator meant to change.
+        get_logger("kvsidecar.config").warning(
+            "unknown_environment_variable", variable=variable, closest_setting=closest, hint="no setting reads it"
+        )
+    from sidecar.app.server import exit_with_parent, serve
+
+    if args.parent_pid is not None:
+        exit_with_parent(args.parent_pid)
+
+    return asyncio.run(serve(settings))
+
+
+def _add_status(subparsers: Any) -> None:
+    parser = subparsers.add_parser("status", help="show a running sidecar's engines, peers and transfers")
+    parser.add_argument("--socket", type=Path, default=None, help="engine socket (default: the serve default)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--requests", action="store_true", help="include per-request detail")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    parser.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from sidecar.tools.status_view import fetch_status, render_json, render_tables
+
+    try:
+        response = fetch_status(args.socket, args.requests, args.timeout)
+    except ConnectionError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return 1
+    print(render_json(response) if args.json else render_tables(response))
+    return 0
+
+
+def _add_demo(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="move real KV between two sidecars and verify every byte",
+        description="Start a producer and a consumer sidecar on loopback, a simulated engine on each, move a mix "
+        "of requests in push and pull mode, verify every byte and print throughput and latency.",
+    )
+    parser.add_argument("--requests", type=int, default=200, help="requests per mode (default 200)")
+    parser.add_argument("--modes", default="push,pull", help="comma-separated: push, pull")
+    parser.add_argument("--min-blocks", type=int, default=8)
+    parser.add_argument("--max-blocks", type=int, default=256)
+    parser.add_argument("--block-kib", type=int, default=64, help="KiB per block, all layers together")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--same-node", action="store_true", help="one sidecar serving both engines")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sidecar.tools.demo import run_demo
+
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    if not modes or any(mode not in ("push", "pull") for mode in modes):
+        print("kvsidecar: --modes takes push and/or pull", file=sys.stderr)
+        return 2
+    if not 1 <= args.min_blocks <= args.max_blocks:
+        print("kvsidecar: need 1 <= --min-blocks <= --max-blocks", file=sys.stderr)
+        return 2
+    try:
+        return run_demo(
+            args.requests,
+            modes,
+            args.min_blocks,
+            args.max_blocks,
+            args.block_kib,
+            args.concurrency,
+            args.seed,
+            args.same_node,
+        )
+    except KeyboardInterrupt:
+        print("\ninterrupted; sidecars stopped and shared memory removed", file=sys.stderr)
+        return 130
+
+
+def _add_bench(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="kvsidecar push/pull vs raw NIXL vs memcpy, one invocation",
+        description="Measure the same transfers through kvsidecar push and pull, raw NIXL in one process and "
+        "numpy.copyto; write JSON rows (and a PNG plot).",
+    )
+    parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
+    parser.add_argument("--png", type=Path, default=None, help="also plot GB/s per scenario and path")
+    parser.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    parser.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from sidecar.tools.bench import main_bench
+
+    return main_bench(args.json, args.png, args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving"
+    )
+    parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve(subparsers)
+    _add_status(subparsers)
+    _add_demo(subparsers)
+    _add_bench(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,663 @@
+"""The producer side of a node: blocks a local engine offers to others.
+
+A submitted request is held under a lease until its consumers are done with it:
+- pull: each consumer READ carries a NIXL notification; once every local worker counted the
+  notifications it expects, FINISHED_SENDING reaches the workers;
+- push: a consumer's ``PushReg`` is matched with the submission (either may come first) and this
+  sidecar WRITEs into the consumer's blocks, then FINISHED_SENDING; a failed WRITE sends the
+  consumer an explicit ``TransferFailed``;
+- the lease ends it otherwise (LEASE_EXPIRED); consumers' heartbeats extend it. A lease that ends
+  while WRITEs are in flight frees the blocks only once they are all terminal.
+
+A pull READ is one-sided: this side cannot see it, let alone cancel it. What bounds it is the
+heartbeat: a consumer reads only after a heartbeat found the request here, and only until that
+heartbeat's send time + ``lease_extension_seconds`` (its transport fails a READ seen DONE later).
+So each heartbeat that finds a request moves its ``readable_until`` to receipt + extension, and
+a request released by its engine (or whose hold TTL ends) while a consumer may still read it is
+not handed back before then: it is ``closing`` (heartbeats answer "unknown", so no new READ
+starts) until its consumers' notifications arrive or ``readable_until`` passes. The lease itself
+always ends after ``readable_until``. This costs nothing on the hot path (no extra call per READ);
+only a release that races a READ waits, for at most one lease extension.
+
+Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
+
+Why ~600 lines: one request table with one lease timer, matched, pushed, read, released and
+expired; the push writer (``_start_push``, ``_push``, ``_send_transfer_failed``) is the next cut,
+into ``core/push.py``, when it grows.
+Runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar.core import validation
+from sidecar.core.context import NodeContext
+from sidecar.core.handshake import check_compatibility
+from sidecar.core.holds import Holds
+from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
+from sidecar.core.notices import NoticeTally
+from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
+from sidecar.core.timers import DeadlineTimer
+from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids, trim_to_tail
+from sidecar.dataplane.plan.layout import BlockIds, PlanError
+from sidecar.dataplane.plane import TransferJob
+from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SidecarError
+from sidecar.logs import get_logger
+
+log = get_logger("kvsidecar.producer")
+
+RequestKey = tuple[str, str]  # (engine_id, request_id)
+
+
+class PushOrder(NamedTuple):
+    """What a consumer's registration carries to the push it starts: its PushReg and the
+    validated destination blocks."""
+
+    request: peer_pb2.PushRegRequest
+    blocks: BlockIds
+
+
+@dataclass
+class ProducerRequest:
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    block_ids: BlockIds
+    num_tokens: int
+    mode: int
+    lease_seconds: float
+    created: float = field(default_factory=time.monotonic)
+    notices: NoticeTally = field(default_factory=NoticeTally)
+    writing: bool = False
+    held: bool = False
+    bytes_moved: int = 0
+    # Until when (monotonic) a consumer may still READ these blocks (see the module docstring).
+    readable_until: float = 0.0
+    # Released (or its hold TTL ended) but a consumer may still READ: the event to emit when freed.
+    closing: tuple[int, str] | None = None
+    # Why a push's blocks are freed once its WRITEs end: (event kind, reason).
+    end: tuple[int, str] | None = None
+
+    @property
+    def key(self) -> RequestKey:
+        return (self.engine_id, self.request_id)
+
+    @property
+    def accepts_pull(self) -> bool:
+        return self.mode != common_pb2.TRANSFER_MODE_PUSH
+
+    @property
+    def accepts_push(self) -> bool:
+        return self.mode != common_pb2.TRANSFER_MODE_PULL and not self.held
+
+
+class ProducerSide:
+    def __init__(self, ctx: NodeContext, holds: Holds) -> None:
+        self._ctx = ctx
+        self._holds = holds
+        self.requests: dict[RequestKey, ProducerRequest] = {}
+        self._by_transfer: dict[tuple[str, str], RequestKey] = {}
+        self.leases: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_leases_expired)
+        self.matcher: PushMatcher[PushOrder] = PushMatcher()
+        # Push registrations waiting for blocks expire with the consumer's watchdog.
+        self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
+        # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
+        self._pushing: dict[tuple[str, str], RequestKey] = {}
+
+    # --- EngineService ------------------------------------------------------------------------
+
+    async def submit(self, request: engine_pb2.SubmitBlocksRequest) -> engine_pb2.SubmitBlocksResponse:
+        ctx = self._ctx
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        lease = validation.duration(request.lease_seconds, "lease_seconds", ctx.settings.lease_seconds)
+        if request.mode not in common_pb2.TransferMode.values():
+            raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
+        engine = ctx.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
+        self._check_blocks(engine, blocks, "block_ids")
+        existing = self.requests.get((request.engine_id, request.request_id))
+        if existing is not None:
+            if existing.block_ids != blocks:
+                raise FailedPrecondition(f"request {request.request_id!r} was already submitted with other blocks")
+            self.leases.extend(existing.key, time.monotonic() + lease)
+            return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=existing.writing)
+        ctx.tasks.check_capacity(len(self.requests))
+        pending = ProducerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            block_ids=blocks,
+            num_tokens=request.num_tokens,
+            mode=request.mode,
+            lease_seconds=lease,
+        )
+        self._add(pending)
+        matched = False
+        if pending.accepts_push:
+            registration = self.matcher.add_submission(
+                Submission(pending.engine_id, pending.request_id, pending.transfer_id)
+            )
+            if registration is not None:
+                self._start_push(pending, registration)
+                matched = True
+        self._update_gauges()
+        log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
+        return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=matched)
+
+    async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
+        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn).
+
+        The engine's holds may occupy at most ``hold_max_share`` of its blocks: past that the
+        oldest holds nobody may be reading are released first (LEASE_EXPIRED gives the engine its
+        blocks back); a hold larger than the whole share is refused (RESOURCE_EXHAUSTED). A new
+        hold of a conversation supersedes the engine's earlier holds of it."""
+        ctx = self._ctx
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.conversation_id, "conversation_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        hashes = validation.block_hashes(request.block_hashes, "block_hashes", len(blocks[0]) if blocks else 0)
+        ttl = validation.duration(request.ttl_seconds, "ttl_seconds", ctx.settings.hold_ttl_seconds)
+        engine = ctx.registry.require_engine(request.engine_id, "engine_id")
+        self._check_blocks(engine, blocks, "block_ids")
+        key = (request.engine_id, request.request_id)
+        if key in self.requests:
+            raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
+        ctx.tasks.check_capacity(len(self.requests))
+        if request.conversation_id:
+            self._release_superseded(request.engine_id, request.conversation_id)
+        released = self._make_room(engine, sum(len(group) for group in blocks))
+        pending = ProducerRequest(
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            transfer_id="",
+            block_ids=blocks,
+            num_tokens=request.num_tokens,
+            mode=common_pb2.TRANSFER_MODE_PULL,
+            lease_seconds=ttl,
+            held=True,
+        )
+        self._add(pending)
+        self._holds.hold(
+            pending.engine_id,
+            pending.request_id,
+            request.conversation_id,
+            pending.block_ids,
+            pending.num_tokens,
+            hashes,
+        )
+        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl, released_holds=released)
+
+    def _releasable(self, key: tuple[str, str], now: float) -> ProducerRequest | None:
+        """A held request that may be handed back now: not closing, and no consumer may read it."""
+        pending = self.requests.get(key)
+        if pending is None or pending.closing is not None or pending.readable_until > now:
+            return None
+        return pending
+
+    def _release_superseded(self, engine_id: str, conversation_id: str) -> None:
+        """A conversation's new turn supersedes the engine's earlier holds for it (a later turn's
+        KV extends the earlier one's); those nobody reads are released now, not at their TTL."""
+        now = time.monotonic()
+        for match in self._holds.index.query(conversation_id=conversation_id, engine_id=engine_id):
+            pending = self._releasable((engine_id, match.entry.request_id), now)
+            if pending is not None:
+                reason = "superseded by the conversation's next turn"
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
+
+    def _make_room(self, engine: Engine, wanted: int) -> int:
+        """Release the engine's oldest holds until ``wanted`` more blocks fit in its share;
+        returns how many were released. Holds a consumer may be reading are skipped."""
+        ctx = self._ctx
+        share = ctx.settings.hold_max_share
+        cap = int(share * engine.num_blocks // max(1, engine.physical_per_logical))
+        if wanted > cap:
+            ctx.metrics.hold_releases.labels(reason="refused_over_cap").inc()
+            raise ResourceExhausted(
+                f"block_ids: {wanted} blocks exceed the hold cap of engine {engine.engine_id!r} "
+                f"({share:g} of its blocks = {cap}); the engine keeps them"
+            )
+        index = self._holds.index
+        released = 0
+        now = time.monotonic()
+        for held in index.oldest_of_engine(engine.engine_id):
+            if index.blocks_of_engine(engine.engine_id) + wanted <= cap:
+                break
+            pending = self._releasable((held.engine_id, held.request_id), now)
+            if pending is None:
+                continue
+            log.info("hold_released_for_room", engine_id=engine.engine_id, request_id=pending.request_id, cap=cap)
+            reason = f"hold cap ({share:g} of the engine's blocks): released for a newer hold"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="cap")
+            released += 1
+        if index.blocks_of_engine(engine.engine_id) + wanted > cap:
+            raise ResourceExhausted(
+                f"block_ids: the hold cap of engine {engine.engine_id!r} ({cap} blocks) is taken by holds being read"
+            )
+        return released
+
+    def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> bool:
+        """The local engine aborts or frees a request. Returns False if nothing was known of it."""
+        pending = self._find(engine_id, request_id, transfer_id)
+        if pending is None:
+            # A consumer may already wait for this request's push (both legs dispatched at once, and
+            # the prefill failed): withdraw its registration and tell it now, not at its watchdog.
+            registration = self.matcher.registration_matching(Submission(engine_id, request_id, transfer_id))
+            if registration is None:
+                return False
+            self.matcher.remove_registration(registration.key)
+            self._registration_deadlines.cancel(registration.key)
+            self._update_gauges()
+            request = registration.order.request
+            self._ctx.tasks.spawn(
+                self._send_transfer_failed(request.caller.address, request, f"the producer released it: {reason}"),
+                engines=[],
+            )
+            return True
+        if pending.writing:
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
+            return True
+        self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
+        return True
+
+    # --- PeerService --------------------------------------------------------------------------
+
+    async def handle_push_reg(self, request: peer_pb2.PushRegRequest) -> peer_pb2.PushRegResponse:
+        ctx = self._ctx
+        validation.identifier(request.prefill_engine_id, "prefill_engine_id")
+        validation.identifier(request.decode_engine_id, "decode_engine_id")
+        validation.identifier(request.request_id, "request_id")
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
+        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        validation.address(request.caller.address, "caller.address")
+        timeout = validation.duration(
+            request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
+        )
+        engine = ctx.registry.engines.get(request.prefill_engine_id)
+        if engine is None:
+            raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
+        # A restarted consumer sidecar or a re-registered consumer engine invalidates what we cached
+        # about it: handshake again rather than write into agents that no longer exist.
+        await ctx.peers.note_caller(request.caller)
+        cached = ctx.peers.cached_generation(request.caller.address, request.decode_engine_id)
+        if cached is not None and request.decode_generation and cached != request.decode_generation:
+            await ctx.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
+        ctx.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
+        check_compatibility(
+            engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}", ctx.metrics
+        )
+        # The consumer's geometry, if we already know it: ids past its blocks would be written into
+        # whatever lies behind them. (Unknown yet: checked after the handshake, before any WRITE.)
+        known = ctx.peers.cached_view(request.caller.address, request.decode_engine_id)
+        problem = known.block_ids_problem(blocks) if known is not None else None
+        if problem:
+            raise InvalidArgument("block_ids", problem)
+        reg_key = (request.decode_engine_id, request.request_id)
+        if reg_key in self._pushing or self.matcher.find_registration(reg_key) is not None:
+            # A repeated registration: the first one is already matched or waiting.
+            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=reg_key in self._pushing)
+        registration = Registration(
+            engine_id=request.prefill_engine_id,
+            decode_engine_id=request.decode_engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            prefill_request_id=request.prefill_request_id,
+            order=PushOrder(request, blocks),
+        )
+        if self.matcher.submission_matching(registration) is None:
+            # It would wait: refused while draining for shutdown, or at capacity. One for blocks
+            # we already hold is served even while draining, so the consumer need not recompute.
+            ctx.tasks.check_capacity(self.matcher.pending_registrations)
+        submission = self.matcher.add_registration(registration)
+        if submission is None:
+            self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
+            self._update_gauges()
+            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=False)
+        pending = self.requests[submission.key]
+        self._start_push(pending, registration)
+        self._update_gauges()
+        return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=True)
+
+    async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
+        ctx = self._ctx
+        validation.identifier(request.engine_id, "engine_id")
+        unknown = []
+        foreign = []
+        extension = ctx.settings.lease_extension_seconds
+        now = time.monotonic()
+        for index, key in enumerate(request.requests):
+            if not (key.request_id or key.transfer_id or key.consumer_request_id):
+                raise InvalidArgument(f"requests[{index}]", "names no request")
+            named = validation.block_ids(
+                key.block_ids, f"requests[{index}].block_ids", ctx.settings.max_blocks_per_request, required=False
+            )
+            pending = self._find(request.engine_id, key.request_id, key.transfer_id)
+            if pending is not None and pending.closing is None:
+                if not pending.held:
+                    self.leases.extend(pending.key, now + extension)
+                pending.readable_until = max(pending.readable_until, now + extension)
+                problem = foreign_block_ids(named, pending.block_ids)
+                if problem:
+                    # A consumer about to read blocks this request does not own (another request's KV).
+                    log.warning(
+                        "pull_names_foreign_blocks",
+                        engine_id=pending.engine_id,
+                        request_id=pending.request_id,
+                        consumer_request_id=key.consumer_request_id,
+                        problem=problem,
+                    )
+                    foreign.append(key)
+                continue
+            if pending is not None:
+                unknown.append(key)  # released: no new READ may start
+                continue
+            if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
+                continue  # a push registration still waiting for its blocks
+            if any(active[1] == key.consumer_request_id for active in self._pushing):
+                continue
+            unknown.append(key)
+        return peer_pb2.HeartbeatResponse(
+            sidecar_id=ctx.identity.sidecar_id, unknown=unknown, lease_seconds=extension, foreign_blocks=foreign
+        )
+
+    async def handle_release(self, request: peer_pb2.PeerReleaseRequest) -> peer_pb2.PeerReleaseResponse:
+        """A consumer is done with a request (consumed it, or gave up on it)."""
+        ctx = self._ctx
+        validation.identifier(request.engine_id, "engine_id")
+        # A push registration still waiting for its blocks: drop it.
+        registration = self.matcher.find_registration_for(
+            request.engine_id, request.transfer_id, request.consumer_request_id
+        )
+        if registration is not None:
+            self.matcher.remove_registration(registration.key)
+            self._registration_deadlines.cancel(registration.key)
+            self._update_gauges()
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
+        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
+        if pending is None:
+            for consumer_key, producer_key in self._pushing.items():
+                if consumer_key[1] == request.consumer_request_id:
+                    pending = self.requests.get(producer_key)
+        if pending is None:
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
+        if pending.writing:
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {request.reason}")
+            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=True)
+        verb = "consumed" if request.consumed else "released"
+        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
+        return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
+        """A consumer finished reading from ``worker``. Returns False if the request is unknown."""
+        pending = self.requests.get((notice.engine_id, notice.request_id))
+        if pending is None or not pending.accepts_pull:
+            return False
+        pending.notices.record(worker.agent_name, notice.expected)
+        if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
+            kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
+            self._finish(pending, kind, reason=reason, hold_end="read")
+        return True
+
+    # --- push ---------------------------------------------------------------------------------
+
+    def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
+        request, blocks = registration.order
+        self._registration_deadlines.cancel(registration.key)
+        pending.writing = True
+        self._pushing[registration.key] = pending.key
+        self._ctx.tasks.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
+
+    async def _push(
+        self,
+        pending: ProducerRequest,
+        registration: Registration[PushOrder],
+        request: peer_pb2.PushRegRequest,
+        blocks: BlockIds,
+    ) -> None:
+        ctx = self._ctx
+        started = time.monotonic()
+        address = request.caller.address
+        error = ""
+        try:
+            engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
+            view = await ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
+            local = engine.local_workers()
+            ctx.dataplane.check(local, engine.tp_size, view)
+            problem = view.block_ids_problem(blocks)
+            if problem:
+                raise InvalidArgument("block_ids", f"{problem} (engine {view.engine_id} of {address})")
+            source = trim_to_tail(pending.block_ids, blocks)
+            if not any(blocks):
+                # The consumer had every block already (a full prefix hit): nothing to write.
+                self._pushing.pop(registration.key, None)
+                pending.writing = False
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
+                return
+            not_after = self.leases.deadline(pending.key)
+            outcome = await ctx.dataplane.run(
+                TransferJob(
+                    op="WRITE",
+                    initiator=local,
+                    initiator_tp=engine.tp_size,
+                    target=view,
+                    initiator_blocks=source,
+                    target_blocks=blocks,
+                    target_request_id=request.request_id,
+                    transfer_id=request.transfer_id or pending.transfer_id,
+                    timeout=ctx.settings.transfer_timeout_seconds,
+                    not_after=not_after,
+                )
+            )
+            pending.bytes_moved = outcome.bytes
+            if not outcome.ok:
+                error = outcome.error
+                if outcome.peer_gone:
+                    await ctx.peers.forget(address, "transfer to it failed")
+        except (SidecarError, PlanError) as exc:
+            error = str(exc)
+        self._pushing.pop(registration.key, None)
+        pending.writing = False
+        if error:
+            ctx.metrics.failures.labels(reason="push_write").inc()
+            log.warning(
+                "push_failed",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                consumer=request.decode_engine_id,
+                consumer_request_id=request.request_id,
+                error=error,
+            )
+            await self._send_transfer_failed(address, request, error)
+        else:
+            ctx.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
+        kind: int = engine_pb2.FINISHED_SENDING
+        reason = error
+        if pending.end is not None:
+            # The lease ended, or the consumer or engine let go, while the WRITEs ran: say that,
+            # with the WRITE's outcome, rather than call every early end an expiry.
+            kind, why = pending.end
+            reason = f"{why}; write failed: {error}" if error else why
+        self._finish(pending, kind, reason=reason)
+
+    async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
+        notice = peer_pb2.TransferFailedRequest(
+            caller_sidecar_id=self._ctx.identity.sidecar_id,
+            engine_id=request.decode_engine_id,
+            request_id=request.request_id,
+            transfer_id=request.transfer_id,
+            reason=reason,
+        )
+        try:
+            await self._ctx.peers.transfer_failed(address, notice)
+        except SidecarError as exc:
+            # The consumer's heartbeat or watchdog still ends its wait.
+            log.warning("transfer_failed_notice_undelivered", peer=address, error=str(exc))
+
+    # --- leases and cleanup ---------------------------------------------------------------------
+
+    def _on_leases_expired(self, keys: list[RequestKey]) -> None:
+        for key in keys:
+            pending = self.requests.get(key)
+            if pending is None:
+                continue
+            what = "hold TTL" if pending.held else "lease"
+            if pending.writing:
+                self._end_after_writes(
+                    pending, engine_pb2.LEASE_EXPIRED, f"{what} of {pending.lease_seconds:g}s expired"
+                )
+                continue
+            if pending.closing is not None:
+                self._finish(pending, *pending.closing)
+                continue
+            if pending.held and pending.readable_until > time.monotonic():
+                self._finish_when_unread(pending, engine_pb2.LEASE_EXPIRED, f"{what} expired")
+                continue
+            self._ctx.metrics.leases_expired.inc()
+            log.warning(
+                "lease_expired",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                notifications=pending.notices.total,
+                what=what,
+            )
+            reason = f"{what} of {pending.lease_seconds:g}s expired"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="ttl")
+
+    def _on_registrations_expired(self, keys: list[tuple[str, str]]) -> None:
+        for key in keys:
+            if self.matcher.remove_registration(key) is not None:
+                log.warning("push_registration_expired", consumer_engine_id=key[0], consumer_request_id=key[1])
+        self._update_gauges()
+
+    def drop_engine(self, engine_id: str, reason: str) -> None:
+        for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
+            if not pending.writing:
+                # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
+            else:
+                self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
+        for registration in self.matcher.registrations():
+            if registration.engine_id == engine_id:
+                self.matcher.remove_registration(registration.key)
+                self._registration_deadlines.cancel(registration.key)
+        self._update_gauges()
+
+    def finish_all(self, reason: str) -> None:
+        for pending in list(self.requests.values()):
+            self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+
+    def _end_after_writes(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free a request being pushed once its WRITEs are terminal, with this event; the first
+        reason given wins."""
+        if pending.end is None:
+            pending.end = (kind, reason)
+
+    def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str) -> None:
+        """Free now, or, if a consumer may still READ the blocks, once it notified or its READ
+        bound (``readable_until``) passed. See the module docstring."""
+        if pending.accepts_pull and pending.readable_until > time.monotonic():
+            pending.closing = (kind, reason)
+            self.leases.set(pending.key, pending.readable_until)
+            log.info(
+                "release_waits_for_reader",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                seconds=round(pending.readable_until - time.monotonic(), 3),
+            )
+            return
+        self._finish(pending, kind, reason=reason)
+
+    def awaiting_consumers(self) -> int:
+        """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
+        return sum(1 for pending in self.requests.values() if not pending.held)
+
+    def _add(self, pending: ProducerRequest) -> None:
+        self.requests[pending.key] = pending
+        if pending.transfer_id:
+            self._by_transfer[(pending.engine_id, pending.transfer_id)] = pending.key
+        self.leases.set(pending.key, time.monotonic() + pending.lease_seconds)
+        if pending.accepts_pull:
+            self._ctx.transport.expect_notifications(1)
+        self._ctx.metrics.leases.set(len(self.leases))
+
+    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
+        """End a request: its engine gets FINISHED_SENDING / LEASE_EXPIRED. ``hold_end`` labels why
+        a held request ended (metrics: read, ttl, cap, superseded, released, engine_gone)."""
+        if self.requests.pop(pending.key, None) is None:
+            return
+        if pending.transfer_id:
+            self._by_transfer.pop((pending.engine_id, pending.transfer_id), None)
+        self.leases.cancel(pending.key)
+        self.matcher.remove_submission(pending.engine_id, pending.request_id)
+        if pending.accepts_pull:
+            self._ctx.transport.expect_notifications(-1)
+        if pending.held:
+            self._holds.release(pending.key, hold_end)
+        self._ctx.metrics.leases.set(len(self.leases))
+        self._update_gauges()
+        self._ctx.events.emit(
+            pending.engine_id,
+            engine_pb2.Event(
+                kind=kind,  # type: ignore[arg-type]
+                request_id=pending.request_id,
+                transfer_id=pending.transfer_id,
+                reason=reason,
+                bytes=pending.bytes_moved,
+                duration_ms=(time.monotonic() - pending.created) * 1000.0,
+            ),
+        )
+
+    def _find(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest | None:
+        if request_id:
+            found = self.requests.get((engine_id, request_id))
+            if found is not None:
+                return found
+        if transfer_id:
+            key = self._by_transfer.get((engine_id, transfer_id))
+            if key is not None:
+                return self.requests.get(key)
+        if request_id:
+            base = base_request_id(request_id)
+            for pending in self.requests.values():
+                if pending.engine_id == engine_id and base_request_id(pending.request_id) == base:
+                    return pending
+        return None
+
+    @staticmethod
+    def _check_blocks(engine: Engine, blocks: BlockIds, field_name: str) -> None:
+        problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
+        if problem:
+            raise InvalidArgument(field_name, problem)
+
+    def _update_gauges(self) -> None:
+        metrics = self._ctx.metrics
+        metrics.pending_push_registrations.set(self.matcher.pending_registrations)
+        metrics.unmatched_submissions.set(self.matcher.unmatched_submissions)
+
+    def status_rows(self) -> list[engine_pb2.RequestStatus]:
+        rows = []
+        for pending in self.requests.values():
+            remaining = self.leases.remaining(pending.key)
+            state = "writing" if pending.writing else ("held" if pending.held else "leased")
+            rows.append(
+                engine_pb2.RequestStatus(
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    transfer_id=pending.transfer_id,
+                    side="producer",
+                    mode=common_pb2.TRANSFER_MODE_PUSH if pending.writing else common_pb2.TRANSFER_MODE_PULL,
+                    state=state,
+                    deadline_in_seconds=remaining if remaining is not None else -1.0,
+                    num_blocks=sum(len(group) for group in pending.block_ids),
+                )
+            )
+        return rows

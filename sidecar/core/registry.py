@@ -1,0 +1,214 @@
+"""Registered engines and their workers: geometry, mapped memory, NIXL agent, event queue.
+
+Bookkeeping only; the node does the I/O (mapping memory, creating agents) around it. Lives on the
+event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar.dataplane.contract import RemoteAgent
+from sidecar.dataplane.memory import MappedMemory
+from sidecar.dataplane.plan.layout import WorkerLayout
+from sidecar.dataplane.plane import EngineView, LocalWorker, WorkerView
+from sidecar.errors import FailedPrecondition, NotFound
+
+WorkerKey = tuple[str, int, int]  # (engine_id, pp_rank, tp_rank)
+
+PRODUCER_ROLES = (common_pb2.ENGINE_ROLE_PRODUCER, common_pb2.ENGINE_ROLE_BOTH)
+CONSUMER_ROLES = (common_pb2.ENGINE_ROLE_CONSUMER, common_pb2.ENGINE_ROLE_BOTH)
+
+
+def worker_id(engine_id: str, pp_rank: int, tp_rank: int) -> str:
+    return f"{engine_id}/pp{pp_rank}/tp{tp_rank}"
+
+
+class StreamClosed:
+    """Queued to a worker's event queue to end its WatchEvents stream."""
+
+    def __init__(self, reason: str, exhausted: bool = False) -> None:
+        self.reason = reason
+        self.exhausted = exhausted
+
+
+@dataclass
+class Worker:
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: WorkerLayout
+    geometry: common_pb2.KvGeometry
+    memories: list[MappedMemory]
+    mem_type: str
+    registered_bytes: int
+    pid: int
+    fingerprint: bytes
+    events: asyncio.Queue[engine_pb2.Event | StreamClosed]
+    watchers: int = 0
+    overflowed: bool = False
+    attach_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def key(self) -> WorkerKey:
+        return (self.engine_id, self.pp_rank, self.tp_rank)
+
+    @property
+    def worker_id(self) -> str:
+        return worker_id(self.engine_id, self.pp_rank, self.tp_rank)
+
+    def local(self) -> LocalWorker:
+        return LocalWorker(self.layout, self.agent_name, self.mem_type)
+
+    def descriptor(self) -> peer_pb2.WorkerDescriptor:
+        kind = common_pb2.MEMORY_KIND_VRAM if self.mem_type == "VRAM" else common_pb2.MEMORY_KIND_DRAM
+        return peer_pb2.WorkerDescriptor(
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
+            agent_name=self.agent_name,
+            agent_metadata=self.agent_metadata,
+            geometry=self.geometry,
+            regions=[
+                peer_pb2.RemoteRegion(
+                    name=region.name,
+                    base_address=region.base,
+                    block_len=region.block_len,
+                    block_stride=region.block_stride,
+                    group_id=region.group_id,
+                    kind=kind,
+                    device_id=self.layout.device_id,
+                )
+                for region in self.layout.regions
+            ],
+        )
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    role: int
+    tp_size: int
+    pp_size: int
+    compatibility_hash: str
+    engine_version: str
+    workers: dict[tuple[int, int], Worker] = field(default_factory=dict)
+    generation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def complete(self) -> bool:
+        return len(self.workers) == self.tp_size * self.pp_size
+
+    @property
+    def num_groups(self) -> int:
+        first = next(iter(self.workers.values()), None)
+        if first is None:
+            return 0
+        return 1 + max((region.group_id for region in first.layout.regions), default=0)
+
+    @property
+    def num_blocks(self) -> int:
+        first = next(iter(self.workers.values()), None)
+        return first.layout.num_blocks if first else 0
+
+    @property
+    def physical_per_logical(self) -> int:
+        first = next(iter(self.workers.values()), None)
+        return first.layout.physical_per_logical if first else 1
+
+    def ordered_workers(self) -> list[Worker]:
+        return [self.workers[key] for key in sorted(self.workers)]
+
+    def local_workers(self) -> list[LocalWorker]:
+        return [worker.local() for worker in self.ordered_workers()]
+
+    def descriptor(self) -> peer_pb2.EngineDescriptor:
+        return peer_pb2.EngineDescriptor(
+            engine_id=self.engine_id,
+            role=self.role,  # type: ignore[arg-type]
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            compatibility_hash=self.compatibility_hash,
+            engine_version=self.engine_version,
+            workers=[worker.descriptor() for worker in self.ordered_workers()],
+            generation=self.generation,
+        )
+
+    def view(self, address: str, sidecar_id: str) -> EngineView:
+        """This engine as an ``EngineView`` (the same-node path uses it as the other side)."""
+        return EngineView(
+            engine_id=self.engine_id,
+            address=address,
+            sidecar_id=sidecar_id,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            compatibility_hash=self.compatibility_hash,
+            generation=self.generation,
+            workers=tuple(
+                WorkerView(worker.layout, RemoteAgent(worker.agent_name, worker.agent_metadata), worker.mem_type)
+                for worker in self.ordered_workers()
+            ),
+        )
+
+
+class Registry:
+    """Engines by id; workers by (engine, pp, tp) and by NIXL agent name."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, Engine] = {}
+        self._by_agent: dict[str, Worker] = {}
+
+    def worker(self, engine_id: str, tp_rank: int, pp_rank: int) -> Worker | None:
+        engine = self.engines.get(engine_id)
+        return None if engine is None else engine.workers.get((pp_rank, tp_rank))
+
+    def by_agent(self, agent_name: str) -> Worker | None:
+        return self._by_agent.get(agent_name)
+
+    def agent_names(self, engine_id: str) -> list[str]:
+        """The NIXL agents of ``engine_id``'s workers here (none if it is gone)."""
+        engine = self.engines.get(engine_id)
+        return [worker.agent_name for worker in engine.ordered_workers()] if engine is not None else []
+
+    def engine_versions(self) -> str:
+        """The registered engines' versions, for this sidecar's ``SidecarInfo``."""
+        return ", ".join(sorted({engine.engine_version for engine in self.engines.values() if engine.engine_version}))
+
+    def add(self, engine: Engine, worker: Worker) -> None:
+        engine.workers[(worker.pp_rank, worker.tp_rank)] = worker
+        engine.generation = uuid.uuid4().hex[:12]
+        self.engines[engine.engine_id] = engine
+        self._by_agent[worker.agent_name] = worker
+
+    def remove(self, worker: Worker) -> None:
+        engine = self.engines.get(worker.engine_id)
+        self._by_agent.pop(worker.agent_name, None)
+        if engine is None:
+            return
+        engine.workers.pop((worker.pp_rank, worker.tp_rank), None)
+        engine.generation = uuid.uuid4().hex[:12]
+        if not engine.workers:
+            del self.engines[worker.engine_id]
+
+    def require_engine(self, engine_id: str, field_name: str, roles: tuple[int, ...] | None = None) -> Engine:
+        """The complete engine ``engine_id``, or a NOT_FOUND / FAILED_PRECONDITION error."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise NotFound(f"{field_name}: engine {engine_id!r} is not registered with this sidecar")
+        if not engine.complete:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} has {len(engine.workers)} of {engine.tp_size * engine.pp_size} "
+                "workers registered"
+            )
+        if roles is not None and engine.role not in roles:
+            role = common_pb2.EngineRole.Name(engine.role)
+            raise FailedPrecondition(f"engine {engine_id!r} is registered as {role}, which cannot do this")
+        return engine
+
+    @property
+    def workers(self) -> list[Worker]:
+        return list(self._by_agent.values())

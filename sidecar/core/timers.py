@@ -1,0 +1,80 @@
+"""A ``DeadlineHeap`` that fires a callback on the event loop when deadlines pass.
+
+One ``TimerHandle`` per heap, always set for the earliest deadline, so an idle sidecar makes no
+periodic wake-ups. Used on the event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from sidecar.core.leases import DeadlineHeap
+
+K = TypeVar("K", bound=Hashable)
+
+
+class DeadlineTimer(Generic[K]):
+    """Keys with deadlines on ``time.monotonic()``; ``on_expired(keys)`` runs when they pass."""
+
+    def __init__(self, on_expired: Callable[[list[K]], None]) -> None:
+        self.heap: DeadlineHeap[K] = DeadlineHeap()
+        self._on_expired = on_expired
+        self._handle: asyncio.TimerHandle | None = None
+        self._armed_for: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.heap
+
+    def set(self, key: K, deadline: float) -> None:
+        self.heap.set(key, deadline)
+        self._reschedule()
+
+    def extend(self, key: K, deadline: float) -> bool:
+        extended = self.heap.extend(key, deadline)
+        self._reschedule()
+        return extended
+
+    def cancel(self, key: K) -> bool:
+        cancelled = self.heap.cancel(key)
+        self._reschedule()
+        return cancelled
+
+    def deadline(self, key: K) -> float | None:
+        return self.heap.deadline(key)
+
+    def remaining(self, key: K) -> float | None:
+        deadline = self.heap.deadline(key)
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _reschedule(self) -> None:
+        upcoming = self.heap.next_deadline()
+        if upcoming == self._armed_for:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._armed_for = upcoming
+        if upcoming is not None:
+            loop = asyncio.get_running_loop()
+            # loop.time() is time.monotonic() on Linux's default loop; convert anyway.
+            when = loop.time() + max(0.0, upcoming - time.monotonic())
+            self._handle = loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._armed_for = None
+        expired = self.heap.pop_expired(time.monotonic())
+        self._reschedule()
+        if expired:
+            self._on_expired(expired)

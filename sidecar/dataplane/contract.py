@@ -1,0 +1,114 @@
+"""What the node needs of a transport, and the values that cross it.
+
+``Transport`` is the protocol the data plane, the producer, the consumer, registration and the
+process shell use; ``sidecar.dataplane.transport.NixlTransport`` implements it with real NIXL
+agents on one owner thread, and tests use an in-process fake (``tests/support/fake_transport.py``)
+that moves bytes between mapped buffers, so the node's state machines can be built and driven
+without NIXL. Transfers are described by value (``TransferSpec``); callbacks reach the node on
+the event loop thread (notifications) or on the transport's own thread (``on_xfer_done``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from sidecar.config import NixlSettings
+
+# (local agent name, notification payload) batches, delivered on the event loop thread.
+NotificationsCallback = Callable[[list[tuple[str, bytes]]], None]
+
+
+@dataclass(frozen=True)
+class DlistSpec:
+    """A descriptor list to prepare once and reuse: ``build`` returns the Nx3 (address, length,
+    device) array; it runs on the transport's thread."""
+
+    key: Hashable
+    build: Callable[[], np.ndarray]
+    mem_type: str = "DRAM"
+
+
+@dataclass(frozen=True)
+class RemoteAgent:
+    """A peer's agent as the handshake described it."""
+
+    name: str
+    metadata: bytes
+
+
+@dataclass
+class TransferResult:
+    ok: bool
+    error: str = ""
+    bytes: int = 0
+    descriptors: int = 0
+    duration_s: float = 0.0
+    post_s: float = 0.0
+    peer_gone: bool = False
+
+
+# (op, result) of every finished transfer, called on the transport's thread (metrics only).
+XferDoneCallback = Callable[[str, TransferResult], None]
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One READ or WRITE between a local agent and a remote one, with its notification.
+
+    ``local_indices`` / ``remote_indices`` select descriptors of the two prepared lists;
+    ``deadline`` (monotonic) bounds it; ``not_after`` (monotonic) refuses to post it once passed,
+    e.g. when the producer's lease ended while the transfer waited to be posted."""
+
+    agent_name: str
+    op: str  # "READ" | "WRITE"
+    remote: RemoteAgent
+    local_list: DlistSpec
+    local_indices: np.ndarray
+    remote_list: DlistSpec
+    remote_indices: np.ndarray
+    notification: bytes
+    deadline: float
+    not_after: float | None = None
+
+
+class Transport(Protocol):
+    """The node's transport: agents per local worker, one-sided transfers with notifications."""
+
+    nixl_version: str
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+
+    async def stop(self, timeout: float = 5.0) -> None: ...
+
+    async def ping(self) -> None:
+        """Returns once the transport's thread has run a no-op (the liveness probe)."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def create_agent(self, name: str, regions: list[tuple[int, int, int]], mem_type: str) -> bytes:
+        """Create an agent over ``regions`` (address, length, device); returns its metadata."""
+
+    async def drop_agent(self, name: str) -> None: ...
+
+    async def drop_remote(self, names: list[str]) -> None: ...
+
+    async def transfer(self, spec: TransferSpec) -> TransferResult:
+        """Post one transfer and wait for its end; never raises for transfer failures."""
+
+    async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None: ...
+
+    def expect_notifications(self, delta: int) -> None:
+        """Count of things waiting for notifications (a real transport polls while it is > 0)."""
+
+    def warm(self, seconds: float) -> None:
+        """Poll for a while with nothing expected (a peer that just handshaked connects)."""
+
+
+# How the node builds its transport (``NixlTransport`` unless a test injects another).
+TransportFactory = Callable[[NixlSettings, NotificationsCallback, XferDoneCallback], Transport]

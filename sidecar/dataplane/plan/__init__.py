@@ -1,0 +1,1 @@
+"""Pure transfer planning (no I/O, no NIXL): see ``layout`` for the vocabulary and the modules."""

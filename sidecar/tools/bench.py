@@ -1,0 +1,433 @@
+"""``kvsidecar bench``: the same transfers through kvsidecar and through what a user would pick
+instead, measured side by side in one invocation.
+
+Paths, all moving the same source blocks into the same destination blocks of the same shared
+memory:
+- ``kvsidecar-push`` / ``kvsidecar-pull``: two sidecar daemons on loopback, simulated engines in
+  this process; latency = producer's SubmitBlocks -> consumer's FINISHED_RECEIVING event;
+- ``kvsidecar-push-same-node``: both engines on one sidecar (NIXL between two agents of one
+  process, the same-node path);
+- ``raw-nixl``: two NIXL agents in this process with prepared descriptor lists; between two
+  agents of one process NIXL copies memory, so this is the floor of the same-node path;
+- ``raw-nixl-2proc``: the same with the target agent in a second process, the floor of any
+  transport between two processes (and what vLLM's in-engine connector does between P and D);
+- ``memcpy``: ``numpy.copyto`` of the same bytes in this process (the machine's limit).
+
+Each scenario runs several times; a row reports latency percentiles over every request, GB/s as
+the median over runs, and the ratio to raw NIXL measured in the same invocation. Before the last
+run of a scenario the destination is overwritten, and afterwards compared with the source, so a
+row's ``verified`` says the bytes it claims really moved.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine_shim.memory import KvLayout
+from sidecar.tools.launcher import child_env
+from sidecar.tools.workload import TransferPair
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(frozen=True)
+class Scenario:
+    block_bytes: int
+    blocks: int
+    pattern: str  # "adjacent" or "scattered"
+    concurrency: int
+
+    @property
+    def name(self) -> str:
+        size = f"{self.block_bytes // MIB}MiB" if self.block_bytes >= MIB else f"{self.block_bytes // KIB}KiB"
+        return f"{size}x{self.blocks}-{self.pattern}-c{self.concurrency}"
+
+    @property
+    def request_bytes(self) -> int:
+        return self.block_bytes * self.blocks
+
+
+@dataclass
+class Row:
+    scenario: str
+    path: str
+    bytes: int
+    p50_ms: float
+    p99_ms: float
+    gbps: float
+    ratio_vs_raw_nixl: float | None
+    requests: int
+    runs: int
+    verified: bool
+    block_bytes: int
+    blocks: int
+    pattern: str
+    concurrency: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def block_sets(scenario: Scenario, pool: int) -> tuple[list[int], list[int]]:
+    """Source and destination blocks: one run of adjacent blocks, or blocks spread with gaps."""
+    if scenario.pattern == "adjacent" or scenario.blocks == 1:
+        return list(range(1, 1 + scenario.blocks)), list(range(pool - scenario.blocks, pool))
+    rng = np.random.default_rng(scenario.blocks)
+    source = sorted(rng.choice(pool, scenario.blocks, replace=False).tolist())
+    destination = rng.permutation(rng.choice(pool, scenario.blocks, replace=False)).tolist()
+    return source, destination
+
+
+class RawNixl:
+    """A NIXL agent in this process WRITEing the pair's source blocks into its destination blocks
+    with prepared lists and a notification, progress driven by polling (no progress thread), as
+    the sidecar does. The target agent lives in this process (``separate_process=False``: the
+    in-process floor) or in a child process (the floor for a transfer between two processes, which
+    is what an in-engine connector does between a prefill and a decode engine)."""
+
+    def __init__(self, pair: TransferPair, separate_process: bool = False) -> None:
+        from sidecar.dataplane.transport import load_nixl
+
+        api, _ = load_nixl()
+        assert pair.producer is not None and pair.consumer is not None
+        layout = pair.layout
+        source = pair.producer.workers[0].buffer.array
+        target = pair.consumer.workers[0].buffer
+        config = api.nixl_agent_config(enable_prog_thread=False, capture_telemetry=False, backends=["UCX"])
+        self.writer = api.nixl_agent(f"bench-raw-writer-{id(self)}", config)
+        self.writer.register_memory([(source.ctypes.data, layout.total_bytes, 0, "")], "DRAM")
+        self.target: Any = None
+        self.child: subprocess.Popen[str] | None = None
+        if separate_process:
+            # The child maps the destination file itself; its addresses are what we write to.
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "sidecar.tools.bench_target", str(target.path), str(layout.total_bytes)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
+            )  # fmt: skip
+            assert self.child.stdout is not None
+            address, metadata = self.child.stdout.readline().split()
+            target_name = self.writer.add_remote_agent(bytes.fromhex(metadata))
+            target_base = int(address)
+        else:
+            self.target = api.nixl_agent(f"bench-raw-target-{id(self)}", config)
+            self.target.register_memory([(target.array.ctypes.data, layout.total_bytes, 0, "")], "DRAM")
+            target_name = self.writer.add_remote_agent(self.target.get_agent_metadata())
+            target_base = target.array.ctypes.data
+        self.target_name = target_name.decode() if isinstance(target_name, bytes) else target_name
+
+        def descriptors(base: int) -> np.ndarray:
+            rows = np.zeros((layout.num_blocks * layout.num_layers, 3), dtype=np.uint64)
+            rows[:, 0] = base + np.arange(rows.shape[0], dtype=np.uint64) * np.uint64(layout.block_len)
+            rows[:, 1] = layout.block_len
+            return rows
+
+        self.local = self.writer.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(source.ctypes.data), "DRAM")
+        self.remote = self.writer.prep_xfer_dlist(self.target_name, descriptors(target_base), "DRAM")
+
+    def transfer(self, source: Sequence[int], destination: Sequence[int], count: int) -> list[float]:
+        """``count`` concurrent WRITEs of the blocks; returns each one's latency."""
+        src = np.asarray(source, dtype=np.int32)
+        dst = np.asarray(destination, dtype=np.int32)
+        started = time.perf_counter()
+        handles = []
+        for _ in range(count):
+            handle = self.writer.make_prepped_xfer("WRITE", self.local, src, self.remote, dst, notif_msg=b"bench")
+            self.writer.transfer(handle)
+            handles.append(handle)
+        latencies = [0.0] * count
+        pending = set(range(count))
+        deadline = started + 60.0
+        while pending:
+            if self.target is not None:
+                self.target.get_new_notifs()  # the in-process target's progress (wire-up, notifications)
+            for index in list(pending):
+                state = self.writer.check_xfer_state(handles[index])
+                if state == "DONE":
+                    latencies[index] = time.perf_counter() - started
+                    pending.discard(index)
+                elif state != "PROC":
+                    raise RuntimeError(f"raw NIXL transfer failed: {state}")
+            if time.perf_counter() > deadline:
+                raise TimeoutError("raw NIXL transfers did not finish within 60s")
+        for handle in handles:
+            handle.release()
+        return latencies
+
+    def close(self) -> None:
+        self.local.release()
+        self.remote.release()
+        self.writer.remove_remote_agent(self.target_name)
+        if self.child is not None:
+            assert self.child.stdin is not None
+            self.child.stdin.close()
+            try:
+                self.child.wait(10)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+
+
+def memcpy_paths(pair: TransferPair) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:
+    assert pair.producer is not None and pair.consumer is not None
+    layout = pair.layout
+    source = pair.producer.workers[0].buffer.array[: layout.total_bytes].reshape(-1, layout.block_len)
+    target = pair.consumer.workers[0].buffer.array[: layout.total_bytes].reshape(-1, layout.block_len)
+
+    def copy(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
+        latencies = []
+        started = time.perf_counter()
+        contiguous = list(src) == list(range(src[0], src[0] + len(src))) and list(dst) == list(
+            range(dst[0], dst[0] + len(dst))
+        )
+        for _ in range(count):
+            if contiguous:
+                np.copyto(target[dst[0] : dst[0] + len(dst)], source[src[0] : src[0] + len(src)])
+            else:
+                target[list(dst)] = source[list(src)]
+            latencies.append(time.perf_counter() - started)
+        return latencies
+
+    return copy
+
+
+def _kvsidecar_path(pair: TransferPair, mode: str) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:
+    transfer = pair.push if mode == "push" else pair.pull
+
+    def run(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
+        if count == 1:
+            return [transfer(src, dst)]
+        with ThreadPoolExecutor(count) as executor:
+            return list(executor.map(lambda _: transfer(src, dst), range(count)))
+
+    return run
+
+
+def measure(
+    pair: TransferPair,
+    scenario: Scenario,
+    path: str,
+    run: Callable[[Sequence[int], Sequence[int], int], list[float]],
+    runs: int,
+    run_bytes: int,
+) -> Row:
+    source, destination = block_sets(scenario, pair.layout.num_blocks)
+    rounds = max(1, min(64, run_bytes // (scenario.request_bytes * scenario.concurrency)))
+    run(source, destination, scenario.concurrency)  # warm-up: connections, prepared lists, page faults
+    latencies: list[float] = []
+    rates: list[float] = []
+    verified = True
+    for index in range(runs):
+        last = index == runs - 1
+        if last:
+            pair.poison(destination)
+        started = time.perf_counter()
+        for _ in range(rounds):
+            latencies.extend(run(source, destination, scenario.concurrency))
+        elapsed = time.perf_counter() - started
+        rates.append(scenario.request_bytes * scenario.concurrency * rounds / elapsed / 1e9)
+        if last:
+            verified = pair.verify(source, destination)
+    return Row(
+        scenario=scenario.name,
+        path=path,
+        bytes=scenario.request_bytes,
+        p50_ms=percentile(latencies, 0.5) * 1000,
+        p99_ms=percentile(latencies, 0.99) * 1000,
+        gbps=statistics.median(rates),
+        ratio_vs_raw_nixl=None,
+        requests=len(latencies),
+        runs=runs,
+        verified=verified,
+        block_bytes=scenario.block_bytes,
+        blocks=scenario.blocks,
+        pattern=scenario.pattern,
+        concurrency=scenario.concurrency,
+    )
+
+
+def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row:
+    """Open loop: 1-block requests started every 1/rate seconds, each in its own thread."""
+    scenario = Scenario(pair.layout.block_len, 1, "adjacent", 1)
+    source, destination = block_sets(scenario, pair.layout.num_blocks)
+    transfer = pair.push if mode == "push" else pair.pull
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        latency = transfer(source, destination)
+        with lock:
+            latencies.append(latency)
+
+    transfer(source, destination)  # warm-up
+    started = time.perf_counter()
+    with ThreadPoolExecutor(64) as executor:
+        futures = []
+        for index in range(count):
+            delay = started + index / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(executor.submit(one))
+        for future in futures:
+            future.result()
+    elapsed = time.perf_counter() - started
+    return Row(
+        scenario=f"control-plane-{rate:g}rps",
+        path=f"kvsidecar-{mode}",
+        bytes=scenario.request_bytes,
+        p50_ms=percentile(latencies, 0.5) * 1000,
+        p99_ms=percentile(latencies, 0.99) * 1000,
+        gbps=scenario.request_bytes * count / elapsed / 1e9,
+        ratio_vs_raw_nixl=None,
+        requests=count,
+        runs=1,
+        verified=pair.verify(source, destination),
+        block_bytes=scenario.block_bytes,
+        blocks=1,
+        pattern="adjacent",
+        concurrency=0,
+        extra={"target_rps": rate, "achieved_rps": count / elapsed},
+    )
+
+
+def scenarios(quick: bool) -> dict[int, list[Scenario]]:
+    sizes = [64 * KIB] if quick else [16 * KIB, 64 * KIB, MIB]
+    counts = [1, 64] if quick else [1, 64, 1024]
+    plan: dict[int, list[Scenario]] = {}
+    for size in sizes:
+        plan[size] = [
+            Scenario(size, count, pattern, concurrency)
+            for count in counts
+            for pattern in (("adjacent",) if count == 1 else ("adjacent", "scattered"))
+            for concurrency in (1, 16)
+            # 16 concurrent GiB-sized requests would only measure memory pressure on this box.
+            if not (size * count >= 1 << 30 and concurrency > 1)
+        ]
+    return plan
+
+
+def run_bench(json_path: Path, png_path: Path | None, quick: bool, progress: Callable[[str], None]) -> list[Row]:
+    runs = 3 if quick else 5
+    run_bytes = 16 * MIB if quick else 128 * MIB
+    rows: list[Row] = []
+    for block_bytes, plan in scenarios(quick).items():
+        max_blocks = max(s.blocks for s in plan)
+        layout = KvLayout(1, max(256, 2 * max_blocks), block_bytes)
+        with TransferPair(layout) as pair, TransferPair(layout, same_node=True) as local_pair:
+            pair.fill_producer(seed=block_bytes)
+            local_pair.fill_producer(seed=block_bytes)
+            raw = RawNixl(pair)
+            raw_2proc = RawNixl(pair, separate_process=True)
+            paths = {
+                "kvsidecar-push": (pair, _kvsidecar_path(pair, "push")),
+                "kvsidecar-pull": (pair, _kvsidecar_path(pair, "pull")),
+                "kvsidecar-push-same-node": (local_pair, _kvsidecar_path(local_pair, "push")),
+                "raw-nixl": (pair, raw.transfer),
+                "raw-nixl-2proc": (pair, raw_2proc.transfer),
+                "memcpy": (pair, memcpy_paths(pair)),
+            }
+            try:
+                for scenario in plan:
+                    found = {}
+                    for name, (owner, path) in paths.items():
+                        progress(f"{scenario.name} {name}")
+                        found[name] = measure(owner, scenario, name, path, runs, run_bytes)
+                    floor = found["raw-nixl"].gbps
+                    floor_2proc = found["raw-nixl-2proc"].gbps
+                    for row in found.values():
+                        row.ratio_vs_raw_nixl = row.gbps / floor if floor else None
+                        row.extra["ratio_vs_raw_nixl_2proc"] = row.gbps / floor_2proc if floor_2proc else None
+                    rows.extend(found.values())
+                if block_bytes == 64 * KIB:
+                    rates = [1.0, 100.0, 1000.0]
+                    counts = [3, 50, 200] if quick else [10, 300, 2000]
+                    for rate, count in zip(rates, counts, strict=True):
+                        for mode in ("push", "pull"):
+                            progress(f"control plane {rate:g} rps {mode}")
+                            rows.append(control_plane(pair, mode, rate, count))
+            finally:
+                raw.close()
+                raw_2proc.close()
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps([asdict(row) for row in rows], indent=2))
+    if png_path is not None:
+        plot(rows, png_path)
+    return rows
+
+
+def plot(rows: list[Row], png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [row for row in rows if not row.scenario.startswith("control-plane")]
+    scenario_names = list(dict.fromkeys(row.scenario for row in data))
+    paths = list(dict.fromkeys(row.path for row in data))
+    width = 0.8 / max(len(paths), 1)
+    figure, axis = plt.subplots(figsize=(max(8.0, 0.9 * len(scenario_names)), 5.5))
+    for index, path in enumerate(paths):
+        values = {row.scenario: row.gbps for row in data if row.path == path}
+        positions = [i + index * width for i in range(len(scenario_names))]
+        axis.bar(positions, [values.get(name, 0.0) for name in scenario_names], width, label=path)
+    axis.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(scenario_names))])
+    axis.set_xticklabels(scenario_names, rotation=60, ha="right", fontsize=8)
+    axis.set_ylabel("GB/s (median of runs)")
+    axis.set_yscale("log")
+    axis.set_title("kvsidecar vs raw NIXL vs memcpy, same transfers, one invocation")
+    axis.legend()
+    figure.tight_layout()
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+
+
+def render(rows: list[Row]) -> str:
+    headers = ["scenario", "path", "bytes/req", "p50 ms", "p99 ms", "GB/s", "x raw NIXL", "x raw 2proc", "ok"]
+    table = [headers]
+    for row in rows:
+        table.append(
+            [
+                row.scenario,
+                row.path,
+                str(row.bytes),
+                f"{row.p50_ms:.3f}",
+                f"{row.p99_ms:.3f}",
+                f"{row.gbps:.2f}",
+                f"{row.ratio_vs_raw_nixl:.2f}" if row.ratio_vs_raw_nixl is not None else "-",
+                f"{row.extra['ratio_vs_raw_nixl_2proc']:.2f}" if row.extra.get("ratio_vs_raw_nixl_2proc") else "-",
+                "yes" if row.verified else "NO",
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in table]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def main_bench(json_path: Path, png_path: Path | None, quick: bool) -> int:
+    def progress(message: str) -> None:
+        print(f"  {message}", file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    rows = run_bench(json_path, png_path, quick, progress)
+    print(render(rows))
+    print(
+        f"\n{len(rows)} rows in {time.monotonic() - started:.0f}s -> {json_path}"
+        + (f", {png_path}" if png_path else "")
+    )
+    return 0 if all(row.verified for row in rows) else 1

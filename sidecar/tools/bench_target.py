@@ -1,0 +1,47 @@
+"""The target side of the benchmark's cross-process raw-NIXL path: a NIXL agent in its own process
+over a shared-memory file, driving progress by polling, as a consumer engine's agent would.
+
+Protocol: started with the file path and length; prints one line "<mapping address> <agent
+metadata as hex>" and polls until stdin closes. Used by ``sidecar.tools.bench`` only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import time
+
+
+def main() -> int:
+    path, length = sys.argv[1], int(sys.argv[2])
+    from sidecar.dataplane.transport import load_nixl
+
+    api, _ = load_nixl()
+    fd = os.open(path, os.O_RDWR)
+    mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    os.close(fd)
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    agent = api.nixl_agent(
+        f"bench-target-{os.getpid()}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+    )
+    agent.register_memory([(address, length, 0, "")], "DRAM")
+    print(address, agent.get_agent_metadata().hex(), flush=True)
+    done = threading.Event()
+
+    def wait_for_eof() -> None:
+        sys.stdin.read()
+        done.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    while not done.is_set():
+        agent.get_new_notifs()  # progress: wire-up and notifications
+        time.sleep(0.0001)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

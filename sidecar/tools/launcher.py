@@ -1,0 +1,143 @@
+"""Starting ``kvsidecar serve`` as a child process: for the demo, the benchmark and the tests.
+
+The child gets its own session (process group) so a kill takes everything it started; readiness
+is a GetStatus answer on its engine socket, which also tells the address it advertises. Every wait
+has a bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def kill_group(process: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGKILL a child started in its own session together with everything it started, and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # already gone
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child Python: this checkout importable, unbuffered output."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class DaemonProcess:
+    """One sidecar daemon on ``workdir/<name>.sock`` and a loopback port (0: any free port)."""
+
+    workdir: Path
+    name: str = "sidecar"
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    peer_port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    address: str = ""
+    sidecar_id: str = ""
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / f"{self.name}.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "sidecar.app.cli", "serve",
+            "--engine-socket", str(self.socket),
+            "--peer-listen", f"127.0.0.1:{self.peer_port}",
+            "--metrics-listen", "off",
+            "--log-format", "json",
+            # The daemon asks for SIGTERM when this process dies (prctl, after exec): a demo or a
+            # test that is killed leaves no daemons behind. Not a preexec_fn: that forces fork(),
+            # and grpc's fork handlers can hang a parent with live channels.
+            "--parent-pid", str(os.getpid()),
+            *self.args,
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(self.env),
+                start_new_session=True,
+            )
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"sidecar {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            status = self._status() if self.socket.exists() else None
+            if status is not None:
+                self.address = status.sidecar.address
+                self.sidecar_id = status.sidecar.sidecar_id
+                self.peer_port = int(self.address.rsplit(":", 1)[1])
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"sidecar {self.name} not ready within {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def _status(self) -> engine_pb2.GetStatusResponse | None:
+        try:
+            with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+                stub = engine_pb2_grpc.EngineServiceStub(channel)
+                response: engine_pb2.GetStatusResponse = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=1.0)
+                return response
+        except grpc.RpcError:
+            return None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM and wait; returns the exit status (SIGKILL after ``timeout``)."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.process is not None:
+            kill_group(self.process)
+
+    def restart(self, timeout: float = 30.0) -> DaemonProcess:
+        """Kill and start again on the same socket and port (a restarted sidecar)."""
+        self.kill()
+        return self.start(timeout)

@@ -1,0 +1,192 @@
+"""A producer and a consumer engine (simulated, in this process) talking to real sidecar daemons,
+for the demo and the benchmark.
+
+``TransferPair`` starts two ``kvsidecar serve`` children on loopback (or one, for the same-node
+path), registers a ``SimulatedEngine`` with each, and turns every push or pull into a blocking call
+that returns the request's latency: from the producer's SubmitBlocks to the consumer's
+FINISHED_RECEIVING event. Calls are thread-safe; the engines' event threads complete the waits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from engine_shim.client import remote
+from engine_shim.memory import KvLayout
+from engine_shim.simulated import SimulatedEngine
+from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.tools.launcher import DaemonProcess
+
+POISON = 0xA5
+
+
+class TransferFailed(RuntimeError):
+    """A request ended in LOAD_FAILED (or timed out); the message says why."""
+
+
+class TransferPair:
+    def __init__(
+        self,
+        layout: KvLayout,
+        same_node: bool = False,
+        sidecar_args: Sequence[str] = (),
+        workdir: Path | None = None,
+        request_timeout: float = 60.0,
+    ) -> None:
+        self.layout = layout
+        self.same_node = same_node
+        self.request_timeout = request_timeout
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+        self._sidecar_args = list(sidecar_args)
+        self.daemons: list[DaemonProcess] = []
+        self.producer: SimulatedEngine | None = None
+        self.consumer: SimulatedEngine | None = None
+        self._waiters: dict[tuple[str, str], concurrent.futures.Future[engine_pb2.Event]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    def __enter__(self) -> TransferPair:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self) -> None:
+        p_daemon = DaemonProcess(self.workdir, "p", list(self._sidecar_args)).start()
+        self.daemons.append(p_daemon)
+        d_daemon = p_daemon
+        if not self.same_node:
+            d_daemon = DaemonProcess(self.workdir, "d", list(self._sidecar_args)).start()
+            self.daemons.append(d_daemon)
+        self.producer = SimulatedEngine(p_daemon.socket, "bench-P", "producer", self.layout)
+        self.producer.start(on_event=self._route)
+        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", "consumer", self.layout)
+        self.consumer.start(on_event=self._route)
+
+    def close(self) -> None:
+        for engine in (self.producer, self.consumer):
+            if engine is not None:
+                engine.close()
+        for daemon in self.daemons:
+            try:
+                daemon.terminate(timeout=15)
+            except Exception:
+                daemon.kill()
+        self.daemons.clear()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _route(self, rank: int, event: engine_pb2.Event) -> None:
+        engine = "D" if event.kind in (engine_pb2.FINISHED_RECEIVING, engine_pb2.LOAD_FAILED) else "P"
+        with self._lock:
+            waiter = self._waiters.pop((engine, event.request_id), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(event)
+
+    def _expect(self, engine: str, request_id: str) -> concurrent.futures.Future[engine_pb2.Event]:
+        future: concurrent.futures.Future[engine_pb2.Event] = concurrent.futures.Future()
+        with self._lock:
+            self._waiters[(engine, request_id)] = future
+        return future
+
+    def _finish(
+        self,
+        request_id: str,
+        received: concurrent.futures.Future[engine_pb2.Event],
+        sent: concurrent.futures.Future[engine_pb2.Event],
+        started: float,
+    ) -> float:
+        try:
+            event = received.result(self.request_timeout)
+            latency = time.perf_counter() - started
+            sent.result(self.request_timeout)  # the producer freed its blocks too
+        except concurrent.futures.TimeoutError:
+            raise TransferFailed(f"{request_id}: no terminal event within {self.request_timeout}s") from None
+        finally:
+            with self._lock:
+                self._waiters.pop(("D", request_id + "-d"), None)
+                self._waiters.pop(("P", request_id), None)
+        if event.kind != engine_pb2.FINISHED_RECEIVING:
+            raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
+        return latency
+
+    def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
+        """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
+        assert self.producer is not None and self.consumer is not None
+        request_id = f"pull-{next(self._ids)}"
+        received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
+        started = time.perf_counter()
+        self.producer.client.submit_blocks(
+            self.producer.engine_id, request_id, [list(p_blocks)], mode=common_pb2.TRANSFER_MODE_PULL
+        )
+        self.consumer.client.pull(
+            self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
+            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)]),
+        )  # fmt: skip
+        return self._finish(request_id, received, sent, started)
+
+    def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
+        """Consumer registers, producer submits; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
+        assert self.producer is not None and self.consumer is not None
+        request_id = f"push-{next(self._ids)}"
+        transfer_id = "t-" + request_id
+        received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
+        reply = self.consumer.client.expect_push(
+            self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
+            remote(self.producer.peer_address, self.producer.engine_id), transfer_id=transfer_id,
+        )  # fmt: skip
+        if not reply.registered:
+            raise TransferFailed(f"{request_id}: the producer's sidecar refused the registration")
+        started = time.perf_counter()
+        self.producer.client.submit_blocks(
+            self.producer.engine_id, request_id, [list(p_blocks)], transfer_id=transfer_id,
+            mode=common_pb2.TRANSFER_MODE_PUSH,
+        )  # fmt: skip
+        return self._finish(request_id, received, sent, started)
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def fill_producer(self, seed: int) -> None:
+        assert self.producer is not None
+        self.producer.fill(range(self.layout.num_blocks), seed)
+
+    def _views(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self.producer is not None and self.consumer is not None
+        shape = (self.layout.num_layers, self.layout.num_blocks, self.layout.block_len)
+        return (
+            self.producer.workers[0].buffer.array[: self.layout.total_bytes].reshape(shape),
+            self.consumer.workers[0].buffer.array[: self.layout.total_bytes].reshape(shape),
+        )
+
+    def poison(self, d_blocks: Sequence[int]) -> None:
+        """Overwrite the consumer's blocks so stale data cannot pass for a transfer."""
+        _, target = self._views()
+        target[:, list(d_blocks)] = POISON
+
+    def verify(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> bool:
+        source, target = self._views()
+        tail = list(p_blocks)[len(p_blocks) - len(d_blocks) :]
+        return bool(np.array_equal(source[:, tail], target[:, list(d_blocks)]))
+
+    def request_bytes(self, blocks: int) -> int:
+        return blocks * self.layout.num_layers * self.layout.block_len

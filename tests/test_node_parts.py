@@ -1,0 +1,341 @@
+"""The node's parts (registration, producer, consumer, holds) built and driven in-process, without
+NIXL: ``tests/support/fake_transport.py`` stands in for the transport (it moves bytes between the
+real shared-memory mappings the node makes), everything else is the production code.
+
+One node serves a producer engine P and a consumer engine D (the same-node path: peer calls go
+through the node's own routing table), each a worker with real KV memory in a ``SharedBuffer``.
+The real-NIXL, multi-process versions of these flows are in test_pull.py and test_push.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine_shim.client import SidecarClient, grouped, remote
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.config import Settings
+from sidecar.core.node import Node
+from sidecar.core.registry import StreamClosed
+from sidecar.errors import NotFound
+from tests.support.fake_transport import FakeFabric
+
+LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
+ADDRESS = "127.0.0.1:59999"  # the node's own advertised address: peer calls stay in the process
+P, D = "prefill-0", "decode-0"
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    buffer: SharedBuffer
+
+    def fill(self, blocks: list[int], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for layer in range(LAYOUT.num_layers):
+            for block in blocks:
+                self.buffer.array[LAYOUT.block_slice(layer, block)] = rng.integers(0, 256, LAYOUT.block_len)
+
+    def blocks(self, blocks: list[int]) -> bytes:
+        return b"".join(
+            self.buffer.array[LAYOUT.block_slice(layer, block)].tobytes()
+            for layer in range(LAYOUT.num_layers)
+            for block in blocks
+        )
+
+
+@dataclass
+class Harness:
+    node: Node
+    fabric: FakeFabric
+    p: Engine
+    d: Engine
+
+    async def next_event(self, engine_id: str, timeout: float = 5.0) -> engine_pb2.Event:
+        worker = self.node.registry.worker(engine_id, 0, 0)
+        assert worker is not None
+        item = await asyncio.wait_for(worker.events.get(), timeout)
+        assert not isinstance(item, StreamClosed), item.reason
+        return item
+
+
+def settings(tmp_path: Path, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "engine_socket": tmp_path / "engine.sock",
+        "peer_listen": ADDRESS,
+        "metrics_listen": "off",
+        "shm_dirs": [Path("/dev/shm")],
+        "lease_seconds": 30,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@asynccontextmanager
+async def harness(tmp_path: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    fabric = FakeFabric()
+    node = Node(settings(tmp_path, **overrides), transport_factory=fabric.transport)
+    await node.start(ADDRESS, [])
+    buffers = [SharedBuffer(LAYOUT.total_bytes), SharedBuffer(LAYOUT.total_bytes)]
+    try:
+        engines = []
+        for engine_id, role, buffer in (
+            (P, common_pb2.ENGINE_ROLE_PRODUCER, buffers[0]),
+            (D, common_pb2.ENGINE_ROLE_CONSUMER, buffers[1]),
+        ):
+            await node.registrations.register_worker(
+                kv_registration(engine_id, role, LAYOUT, [buffer.export()], engine_version="test")
+            )
+            engines.append(Engine(engine_id, buffer))
+        yield Harness(node, fabric, engines[0], engines[1])
+    finally:
+        await node.stop()
+        for buffer in buffers:
+            buffer.close()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+def test_pull_moves_the_producers_blocks_and_frees_them(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            h.p.fill([3, 4, 5], seed=1)
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-1", [[3, 4, 5]]))
+            assert h.node.producer.leases.deadline((P, "req-1")) is not None
+            pull = SidecarClient.pull_request(D, "req-1-d", [[7, 8, 9]], remote(ADDRESS, P, "req-1", [[3, 4, 5]]))
+            await h.node.consumer.pull(pull)
+            received = await h.next_event(D)
+            assert received.kind == engine_pb2.FINISHED_RECEIVING and received.request_id == "req-1-d"
+            assert h.d.blocks([7, 8, 9]) == h.p.blocks([3, 4, 5]), "the pulled bytes differ"
+            sent = await h.next_event(P)
+            assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == "req-1"
+            assert not h.node.producer.requests and not h.node.consumer.requests
+            assert [spec.op for spec in h.fabric.transfers] == ["READ"]
+
+    run(scenario)
+
+
+def test_push_writes_into_the_consumers_blocks_whichever_side_comes_first(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            h.p.fill([0, 1], seed=2)
+            # The consumer registers first; the producer's submission then starts the WRITE.
+            expect = SidecarClient.expect_push_request(D, "req-2-d", [[10, 11]], remote(ADDRESS, P, "req-2"))
+            await h.node.consumer.expect_push(expect)
+            assert h.node.producer.matcher.pending_registrations == 1
+            push = common_pb2.TRANSFER_MODE_PUSH
+            response = await h.node.producer.submit(SidecarClient.submit_request(P, "req-2", [[0, 1]], mode=push))
+            assert response.push_matched
+            received = await h.next_event(D)
+            assert received.kind == engine_pb2.FINISHED_RECEIVING
+            assert h.d.blocks([10, 11]) == h.p.blocks([0, 1]), "the pushed bytes differ"
+            sent = await h.next_event(P)
+            assert sent.kind == engine_pb2.FINISHED_SENDING
+            assert [spec.op for spec in h.fabric.transfers] == ["WRITE"]
+
+    run(scenario)
+
+
+def test_a_failed_write_fails_the_consumer_and_frees_the_producer(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            h.fabric.fail_with = "the NIC caught fire"
+            push = common_pb2.TRANSFER_MODE_PUSH
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-3", [[0, 1]], mode=push))
+            expect = SidecarClient.expect_push_request(D, "req-3-d", [[5, 6]], remote(ADDRESS, P, "req-3"))
+            await h.node.consumer.expect_push(expect)
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED and "NIC caught fire" in failed.reason
+            assert list(failed.failed_block_ids) == [5, 6]
+            freed = await h.next_event(P)
+            assert freed.kind == engine_pb2.FINISHED_SENDING and not h.node.producer.requests
+
+    run(scenario)
+
+
+def test_an_expired_lease_frees_the_blocks_but_only_after_the_write_in_flight(tmp_path: Path) -> None:
+    """The lease ends while a WRITE is in flight: the blocks stay taken until it is terminal."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            h.fabric.gate = asyncio.Event()  # hold every transfer "in flight"
+            push = common_pb2.TRANSFER_MODE_PUSH
+            submit = SidecarClient.submit_request(P, "req-4", [[0, 1]], mode=push, lease_seconds=0.2)
+            await h.node.producer.submit(submit)
+            expect = SidecarClient.expect_push_request(D, "req-4-d", [[5, 6]], remote(ADDRESS, P, "req-4"))
+            await h.node.consumer.expect_push(expect)
+            await asyncio.sleep(0.6)  # the lease ran out meanwhile
+            worker = h.node.registry.worker(P, 0, 0)
+            assert worker is not None and worker.events.empty(), "blocks handed back while a WRITE may still write"
+            assert (P, "req-4") in h.node.producer.requests
+            h.fabric.gate.set()
+            event = await h.next_event(P)
+            assert event.kind in (engine_pb2.FINISHED_SENDING, engine_pb2.LEASE_EXPIRED)
+            assert not h.node.producer.requests
+
+    run(scenario)
+
+
+def test_a_lease_nobody_takes_expires_and_is_counted(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-5", [[2]], lease_seconds=0.2))
+            event = await h.next_event(P)
+            assert event.kind == engine_pb2.LEASE_EXPIRED and event.request_id == "req-5"
+            assert not h.node.producer.requests
+            assert h.node.metrics.leases_expired._value.get() == 1
+
+    run(scenario)
+
+
+def test_release_ends_the_request_on_both_sides(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-6", [[1, 2]]))
+            response = await h.node.release(engine_pb2.ReleaseRequest(engine_id=P, request_id="req-6", reason="abort"))
+            assert response.found
+            event = await h.next_event(P)
+            assert event.kind == engine_pb2.FINISHED_SENDING and not h.node.producer.requests
+            with pytest.raises(NotFound):
+                await h.node.release(engine_pb2.ReleaseRequest(engine_id="nobody", request_id="x"))
+
+    run(scenario)
+
+
+def test_held_blocks_answer_cache_queries_then_expire(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            hold = engine_pb2.HoldBlocksRequest(
+                engine_id=D, request_id="turn-1", conversation_id="chat-9", block_ids=grouped([[4, 5]]), ttl_seconds=0.5
+            )
+            await h.node.producer.hold(hold)
+            query = engine_pb2.QueryCacheRequest(engine_id=P, address=ADDRESS, conversation_id="chat-9")
+            (entry,) = (await h.node.holds.query_cache(query)).entries
+            assert (entry.engine_id, entry.request_id, list(entry.block_ids.groups[0].ids)) == (D, "turn-1", [4, 5])
+            assert 0 < entry.expires_in_seconds <= 0.5 and entry.address == ADDRESS
+            event = await h.next_event(D)
+            assert event.kind == engine_pb2.LEASE_EXPIRED
+            assert not (await h.node.holds.query_cache(query)).entries and len(h.node.holds) == 0
+
+    run(scenario)
+
+
+def test_unregistering_a_worker_ends_its_requests_and_drops_its_agent(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-7", [[1]]))
+            worker = h.node.registry.worker(P, 0, 0)
+            assert worker is not None and worker.agent_name in h.fabric.agents
+            response = await h.node.registrations.unregister_worker(
+                engine_pb2.UnregisterWorkerRequest(engine_id=P, tp_rank=0, pp_rank=0)
+            )
+            assert response.requests_released == 1
+            assert worker.agent_name not in h.fabric.agents and P not in h.node.registry.engines
+            assert not h.node.producer.requests
+
+    run(scenario)
+
+
+def test_other_rpcs_are_served_while_a_registration_prefaults_its_memory(tmp_path: Path) -> None:
+    """Mapping (with pre-faulting) a large engine's KV cache takes seconds; it must not stall the
+    event loop. The importer's map is held until the test lets it go (as a slow pre-fault would
+    be), and a status call and a cache query are answered meanwhile."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            importer = h.node.registrations.memory
+            real_map = importer.map
+            entered, release = threading.Event(), threading.Event()
+
+            def slow_map(*args: Any, **kwargs: Any) -> Any:
+                entered.set()
+                release.wait(timeout=10)  # bounded: a loop-blocking map would otherwise hang the test
+                return real_map(*args, **kwargs)
+
+            importer.map = slow_map  # type: ignore[method-assign]
+            served_while_mapping: list[bool] = []
+            buffer = SharedBuffer(LAYOUT.total_bytes)
+            try:
+                registration = kv_registration("big-0", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+                task = asyncio.ensure_future(h.node.registrations.register_worker(registration))
+                await asyncio.to_thread(entered.wait, 5)
+                status = h.node.status(engine_pb2.GetStatusRequest())
+                query = engine_pb2.QueryCacheRequest(engine_id=P, address=ADDRESS, request_id="none")
+                await h.node.holds.query_cache(query)
+                served_while_mapping.append(not task.done())
+                release.set()
+                response = await asyncio.wait_for(task, 10)
+                assert served_while_mapping == [True], "other calls waited for the registration's mapping"
+                assert response.registered_bytes == LAYOUT.total_bytes
+                assert {engine.engine_id for engine in status.engines} == {P, D}
+            finally:
+                release.set()
+                buffer.close()
+
+    run(scenario)
+
+
+def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
+    """No hub: the producer, its holds and registration are built from a NodeContext alone (what a
+    part may use is what the context holds), and a submitted request's lease still ends in
+    LEASE_EXPIRED on the engine's event queue."""
+    from sidecar.core.context import Identity, NodeContext, Tasks
+    from sidecar.core.events import WorkerEvents
+    from sidecar.core.holds import Holds
+    from sidecar.core.producer import ProducerSide
+    from sidecar.core.registration import Registrations
+    from sidecar.core.registry import Registry
+    from sidecar.dataplane.memory import MemoryImporter
+    from sidecar.dataplane.plane import DataPlane
+    from sidecar.metrics import SidecarMetrics
+    from sidecar.peers.client import PeerClient
+
+    async def scenario() -> None:
+        config = settings(tmp_path)
+        transport = FakeFabric().transport(config.nixl, lambda batch: None, lambda op, result: None)
+        transport.start(asyncio.get_running_loop())
+        metrics = SidecarMetrics(transport.nixl_version)
+        registry = Registry()
+        identity = Identity(config, transport.nixl_version, registry)
+
+        async def unload(address: str, names: list[str]) -> None:
+            return None
+
+        ctx = NodeContext(
+            settings=config,
+            identity=identity,
+            registry=registry,
+            peers=PeerClient(config, identity.info, unload, metrics),
+            dataplane=DataPlane(transport, identity.sidecar_id),
+            transport=transport,
+            metrics=metrics,
+            events=WorkerEvents(config, registry, metrics, identity.sidecar_id),
+            tasks=Tasks(config),
+        )
+        registrations = Registrations(ctx, MemoryImporter(config.shm_dirs, populate=False))
+        producer = ProducerSide(ctx, Holds(ctx))
+        with SharedBuffer(LAYOUT.total_bytes) as buffer:
+            await registrations.register_worker(
+                kv_registration(P, common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+            )
+            await producer.submit(SidecarClient.submit_request(P, "solo", [[1, 2]], lease_seconds=0.2))
+            worker = registry.worker(P, 0, 0)
+            assert worker is not None
+            event = await asyncio.wait_for(worker.events.get(), 5)
+            assert isinstance(event, engine_pb2.Event) and event.kind == engine_pb2.LEASE_EXPIRED
+            assert not producer.requests
+            await registrations.remove_worker(worker, "test over")
+            producer.leases.close()
+
+    run(scenario)

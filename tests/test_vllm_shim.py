@@ -1,0 +1,159 @@
+"""Unit tests of the vLLM connector package (``engine_shim.vllm``) without a vLLM engine or a sidecar.
+
+vLLM is imported (the connector subclasses its interfaces) but no engine runs: the connector's
+parts are built from the few configuration fields they read. The end-to-end behaviour with real
+vLLM instances is in ``test_vllm_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from bench.shim_step import kv_cache_config  # noqa: E402
+from engine_shim.vllm.compat import compat_factors  # noqa: E402
+from engine_shim.vllm.config import ShimConfig  # noqa: E402
+from engine_shim.vllm.scheduler import SchedulerSide  # noqa: E402
+from engine_shim.vllm.worker import WorkerSide  # noqa: E402
+
+
+class ThreadRecordingSet(set[str]):
+    """A set that records which thread mutated it (the scheduler's state belongs to one thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mutators: list[int] = []
+
+    def add(self, item: str) -> None:
+        self.mutators.append(threading.get_ident())
+        super().add(item)
+
+    def discard(self, item: str) -> None:
+        self.mutators.append(threading.get_ident())
+        super().discard(item)
+
+
+class KeepAliveClient:
+    """Stands in for the gRPC client: KeepAlive returns a future the test completes."""
+
+    def __init__(self) -> None:
+        self.futures: list[concurrent.futures.Future[Any]] = []
+
+    def keep_alive_async(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.futures.append(future)
+        return future
+
+
+def vllm_config(engine_id: str = "decode-0") -> Any:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role="kv_both"),
+        cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(
+            model="tiny-llama",
+            revision=None,
+            dtype=torch.float32,
+            use_mla=False,
+            get_total_num_kv_heads=lambda: 2,
+            get_num_kv_heads=lambda parallel: 2,
+            get_head_size=lambda: 32,
+            get_total_num_hidden_layers=lambda: 2,
+        ),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+
+
+@pytest.fixture
+def scheduler(tmp_path: Path) -> Iterator[SchedulerSide]:
+    kv_cache_config = SimpleNamespace(transfer_group_ids=(0,), kv_cache_groups=[object()])
+    config = ShimConfig(sidecar_socket=str(tmp_path / "no-sidecar.sock"), rpc_timeout=0.5)
+    side = SchedulerSide(vllm_config(), kv_cache_config, config)  # type: ignore[arg-type]
+    yield side
+    side.shutdown()
+
+
+def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: SchedulerSide) -> None:
+    """A KeepAlive answered "the producer no longer holds it" on a gRPC callback thread makes the
+    scheduler recompute the request; the request set is touched by the scheduler thread only
+    (the module's threading rule; before the fix the callback thread added to it)."""
+    real_client = scheduler.client
+    real_client.unsubscribe_connectivity(scheduler._on_connectivity)
+    scheduler._down = False  # as if the sidecar were up: only KeepAlive is exercised
+    fake = KeepAliveClient()
+    scheduler.client = fake  # type: ignore[assignment]
+    lost = ThreadRecordingSet()
+    scheduler._producer_lost = lost
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 50151,
+        "remote_request_id": "req-1-p",
+    }
+    request = SimpleNamespace(request_id="req-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
+    try:
+        scheduler.on_new_request(request)  # type: ignore[arg-type]
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (40, True)  # type: ignore[arg-type]
+        scheduler.build_connector_meta(None)  # type: ignore[arg-type]  # not scheduled: keep it alive
+        assert len(fake.futures) == 1
+        callback_thread = threading.Thread(
+            target=fake.futures[0].set_result, args=(SimpleNamespace(producer_holds=False),)
+        )
+        callback_thread.start()
+        callback_thread.join(timeout=5)
+        assert not lost.mutators or set(lost.mutators) == {threading.get_ident()}, "mutated off the scheduler thread"
+        # The next scheduling attempt recomputes instead of waiting for a failed load.
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+        assert set(lost.mutators) == {threading.get_ident()}
+    finally:
+        real_client.subscribe_connectivity(scheduler._on_connectivity)
+        scheduler.client = real_client
+
+
+def registration(tmp_path: Path, layout: str) -> Any:
+    """The RegisterWorker request a worker builds for a KV cache of ``layout`` (in a shm file under tmp)."""
+    config = kv_cache_config(None, num_blocks=4, layout=layout)
+    shim = ShimConfig(sidecar_socket=str(tmp_path / "no-sidecar.sock"), shm_dir=str(tmp_path))
+    worker = WorkerSide(vllm_config(), config, shim)
+    try:
+        context = worker.get_mem_pool_context()
+        assert context is not None
+        (tensor_config,) = config.kv_cache_tensors
+        with context:
+            whole = torch.zeros(tensor_config.size, dtype=torch.int8)
+        per_layer = whole.view(torch.float32).view(2, config.num_blocks, 2, 32, 2, 32)
+        kv_caches = {name: per_layer[index] for index, name in enumerate(tensor_config.layers)}
+        return worker._build_registration(kv_caches)
+    finally:
+        worker.shutdown()
+
+
+def test_layout_travels_in_the_geometry_not_in_the_compatibility_factors(tmp_path: Path) -> None:
+    """Two engines that differ only in KV layout have the same compatibility factors (so the
+    sidecar can plan or convert per transfer instead of refusing the peer at the handshake), and
+    each worker's geometry carries the layout it really has."""
+    lbhnc = registration(tmp_path, "LBHNC")
+    hnd = registration(tmp_path, "HND")
+    assert lbhnc.geometry.kv_layout == "LBHNC" and hnd.geometry.kv_layout == "HND"
+    assert dict(lbhnc.compat_factors) == dict(hnd.compat_factors)
+    assert not any("layout" in key for key in compat_factors(vllm_config()))
+    assert list(tmp_path.glob("kvsvllm-*")) == [], "the workers' KV files outlived their shutdown"
+
+
+def test_the_old_module_path_still_names_the_connector() -> None:
+    """Existing settings say ``kv_connector_module_path: engine_shim.vllm_connector``."""
+    alias = importlib.import_module("engine_shim.vllm_connector")
+    package = importlib.import_module("engine_shim.vllm.connector")
+    assert alias.SidecarConnector is package.SidecarConnector
+    assert alias.ShimConfig is ShimConfig
