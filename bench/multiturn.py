@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.vllm_pd import MODEL_SPEC, Reaper, Server  # noqa: E402
-from sidecar.launcher import DaemonProcess  # noqa: E402
+from sidecar.tools.launcher import DaemonProcess  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama  # noqa: E402
 from tests.support.vllm_engine import sidecar_kv_transfer_config  # noqa: E402
 
