@@ -160,7 +160,10 @@ class Proxy:
 
     async def start(self, _: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout, sock_connect=10.0)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # Idle connections are dropped before vLLM's server (uvicorn: 5 s) closes them, so a leg is
+        # not sent on a connection the engine is closing at that moment.
+        connector = aiohttp.TCPConnector(keepalive_timeout=4.0)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def close(self, _: web.Application) -> None:
         if self._session is not None:
@@ -189,8 +192,21 @@ class Proxy:
         async with self.session.get(f"{decode}/v1/models") as response:
             return web.Response(body=await response.read(), status=response.status, content_type="application/json")
 
+    async def _post(self, url: str, body: dict[str, Any], request_id: str) -> aiohttp.ClientResponse:
+        """POST a leg. A connection error before any answer is retried once: a pooled keep-alive
+        connection the engine closed meanwhile (its idle timeout, or a restart on the same port) is
+        reset at first use, and the request never reached the engine."""
+        for attempt in (1, 2):
+            try:
+                return await self.session.post(url, json=body, headers={"X-Request-Id": request_id})
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2:
+                    raise
+                log.info("request %s to %s: %r; retrying on a fresh connection", request_id, url, exc)
+        raise AssertionError("unreachable")
+
     async def _post_json(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        async with self.session.post(url, json=body, headers={"X-Request-Id": request_id}) as response:
+        async with await self._post(url, body, request_id) as response:
             payload = await response.read()
             if response.status != 200:
                 raise LegError(response.status, payload)
@@ -268,7 +284,7 @@ class Proxy:
         request_id: str,
         started: asyncio.Event | None = None,
     ) -> web.StreamResponse:
-        async with self.session.post(url, json=body, headers={"X-Request-Id": request_id}) as response:
+        async with await self._post(url, body, request_id) as response:
             if not body.get("stream"):
                 payload = await response.read()
                 if started is not None:
