@@ -107,12 +107,6 @@ class Holds:
                 log.info("cache_query_unanswered", peer=address, error=repr(answer))
                 unreachable.append(address)
                 continue
-            for entry in answer.entries:
-                # A holder that restarted under the same engine id: drop its stale handshake, so the
-                # read that follows goes to its new agents.
-                cached = ctx.peers.cached_generation(entry.address, entry.engine_id)
-                if cached is not None and entry.engine_generation and cached != entry.engine_generation:
-                    await ctx.peers.forget_engine(entry.address, entry.engine_id, "engine re-registered")
             entries.extend(answer.entries)
         entries.sort(key=lambda entry: (entry.matched_blocks, entry.expires_in_seconds), reverse=True)
         log.debug(
