@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast lint run demo bench bench-vllm bench-multiturn clean
+.PHONY: setup proto proto-check test test-fast multihost lint run demo bench bench-multihost bench-scaling bench-vllm bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,16 @@ $(STAMP): pyproject.toml
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
+# The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not multihost_full"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not multihost_full"
+
+# P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
+multihost: setup
+	$(PY) -m pytest -q -m multihost tests/multihost
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
@@ -43,6 +48,14 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/kvsidecar bench --json bench/out/bench.json --png bench/out/bench.png
+
+# Across hosts (network namespaces; needs root): kvsidecar vs raw NIXL between the same two hosts.
+bench-multihost: setup
+	$(PY) -m bench.multihost --json bench/out/multihost.json
+
+# What one sidecar pays per known peer, N = 1..8 peers on network-namespace hosts (docs/scaling.md).
+bench-scaling: setup
+	$(PY) -m bench.scaling --json bench/out/scaling.json
 
 # End to end with real CPU vLLM: kvsidecar vs vLLM's own NIXL connectors (bench/README.md). vLLM's
 # NixlConnector imports the `nixl` meta package (without its dependency list: it names CUDA torch).

@@ -174,6 +174,9 @@ class Settings(BaseSettings):
     max_workers_per_engine: int = Field(default=64, ge=1, le=262144)
     # Peer sidecars remembered (handshaken) and connected at once.
     max_peers: int = Field(default=1024, ge=1, le=1_000_000)
+    # Per-request traces kept for EngineService/PeerService.Trace (a ring of the most recent
+    # requests, each at most 64 events); 0 turns tracing off.
+    trace_requests: int = Field(default=1024, ge=0, le=1_000_000)
 
     # mTLS between sidecars: all three set enables it on the peer port and for outgoing calls.
     peer_tls_cert: Path | None = None

@@ -29,8 +29,9 @@ ENGINE_RPCS = [
     "Release",
     "WatchEvents",
     "GetStatus",
+    "Trace",
 ]
-PEER_RPCS = ["Handshake", "PushReg", "Heartbeat", "QueryCache", "TransferFailed", "Release"]
+PEER_RPCS = ["Handshake", "PushReg", "Heartbeat", "QueryCache", "TransferFailed", "Release", "Trace"]
 
 
 def grpcurl(*args: str, timeout: float = 15.0) -> subprocess.CompletedProcess[str]:
@@ -116,6 +117,7 @@ ENGINE_EMPTY = {
     "Release": "engine_id",
     "WatchEvents": "engine_id",
     "KeepAlive": "engine_id",
+    "Trace": "request_id",
 }
 PEER_EMPTY = {
     "Handshake": "engine_id",
@@ -124,6 +126,7 @@ PEER_EMPTY = {
     "QueryCache": "conversation_id",
     "TransferFailed": "engine_id",
     "Release": "engine_id",
+    "Trace": "request_id",
 }
 
 MALFORMED = [

@@ -29,8 +29,11 @@ def _pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def make_pki(directory: Path, name: str) -> tuple[Path, Path, Path]:
-    """A CA and one certificate for 127.0.0.1, usable as server and client; returns (cert, key, ca)."""
+def make_pki(directory: Path, name: str, dns_names: list[str] | None = None) -> tuple[Path, Path, Path]:
+    """A CA and one certificate for 127.0.0.1 (and ``dns_names``), usable as server and client;
+    returns (cert, key, ca)."""
+    names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    names += [x509.DNSName(dns) for dns in dns_names or []]
     now = datetime.datetime.now(datetime.UTC)
     ca_key, key = _key(), _key()
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
@@ -45,7 +48,7 @@ def make_pki(directory: Path, name: str) -> tuple[Path, Path, Path]:
         x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvsidecar")]))
         .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                        critical=False)
         .sign(ca_key, hashes.SHA256())

@@ -477,7 +477,9 @@ def _status(engine: VllmEngineProcess) -> dict[str, Any]:
 def _wait_registered(engine: VllmEngineProcess, sidecar: SidecarProcess, timeout: float = 30.0) -> None:
     def registered() -> bool:
         status = _status(engine)
-        return bool(status["connected"] and status["sidecar_id"] == sidecar.sidecar_id)
+        # The worker's stream and the scheduler's channel reconnect independently (the latter
+        # after gRPC's reconnect backoff): both must be back before a prefill is offered again.
+        return bool(status["connected"] and status["sidecar_id"] == sidecar.sidecar_id and status["offers_kv"])
 
     wait_until(registered, timeout, 0.2, f"{engine.name} registered with the restarted sidecar")
 
@@ -537,7 +539,13 @@ def test_a_killed_vllm_engine_leaves_no_kv_file_behind(cluster: Cluster) -> None
         engine.process.wait(10)
         wait_until(lambda: not any(path.exists() for path in files), 15.0, 0.1, "the killed engine's KV file removed")
         assert all(path.exists() for path in live)
-        assert any(event.get("event") == "orphaned_shm_file_removed" for event in cluster.b.log_events())
+        # The sidecar logs the removal just after the unlink the wait above saw.
+        wait_until(
+            lambda: any(event.get("event") == "orphaned_shm_file_removed" for event in cluster.b.log_events()),
+            5.0,
+            0.1,
+            "the sidecar's orphaned_shm_file_removed log event",
+        )
     finally:
         engine.kill()
 

@@ -166,6 +166,12 @@ class SchedulerSide:
             pass
         self.client.close()
 
+    @property
+    def offers_kv(self) -> bool:
+        """Whether a finished prefill is offered to consumers now: the sidecar's channel is up and
+        its peer address known (after a sidecar restart, once the channel reconnects)."""
+        return self._address is not None and not self._down
+
     # gRPC threads ------------------------------------------------------------------------------
 
     def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:

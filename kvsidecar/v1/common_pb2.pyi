@@ -93,3 +93,67 @@ class KvGeometry(_message.Message):
     total_num_kv_heads: int
     is_mla: bool
     def __init__(self, block_size: _Optional[int] = ..., physical_blocks_per_logical: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ..., is_mla: _Optional[bool] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "local_only", "also_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ALSO_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    local_only: bool
+    also_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., local_only: _Optional[bool] = ..., also_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TraceEvent(_message.Message):
+    __slots__ = ("kind", "unix_s", "offset_s", "detail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    unix_s: float
+    offset_s: float
+    detail: str
+    def __init__(self, kind: _Optional[str] = ..., unix_s: _Optional[float] = ..., offset_s: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RequestTimeline(_message.Message):
+    __slots__ = ("engine_id", "request_id", "transfer_id", "side", "done", "events", "dropped_events", "peers", "other_ids")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_IDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    side: str
+    done: bool
+    events: _containers.RepeatedCompositeFieldContainer[TraceEvent]
+    dropped_events: int
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    other_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., side: _Optional[str] = ..., done: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[TraceEvent, _Mapping]]] = ..., dropped_events: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., other_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SidecarTrace(_message.Message):
+    __slots__ = ("sidecar", "requests", "error", "clock_offset_ms")
+    SIDECAR_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
+    sidecar: SidecarInfo
+    requests: _containers.RepeatedCompositeFieldContainer[RequestTimeline]
+    error: str
+    clock_offset_ms: float
+    def __init__(self, sidecar: _Optional[_Union[SidecarInfo, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestTimeline, _Mapping]]] = ..., error: _Optional[str] = ..., clock_offset_ms: _Optional[float] = ...) -> None: ...
+
+class TraceResponse(_message.Message):
+    __slots__ = ("sidecars",)
+    SIDECARS_FIELD_NUMBER: _ClassVar[int]
+    sidecars: _containers.RepeatedCompositeFieldContainer[SidecarTrace]
+    def __init__(self, sidecars: _Optional[_Iterable[_Union[SidecarTrace, _Mapping]]] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from kvsidecar.v1 import engine_pb2 as kvsidecar_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -88,6 +89,11 @@ class EngineServiceStub:
                 '/kvsidecar.v1.EngineService/GetStatus',
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/kvsidecar.v1.EngineService/Trace',
+                request_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
                 _registered_method=True)
 
 
@@ -179,6 +185,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """One request's timeline on this sidecar (admitted, registered, matched, handshake, posted, each
+        NIXL completion, finished or failed with the reason), joined with the parts of the peer
+        sidecars it touched (asked over PeerService.Trace). NOT_FOUND when this sidecar has no record
+        of it (it keeps the last `trace_requests` requests); INVALID_ARGUMENT without an id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +252,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.GetStatusRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -535,6 +556,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/GetStatus',
             kvsidecar_dot_v1_dot_engine__pb2.GetStatusRequest.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.EngineService/Trace',
+            kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from kvsidecar.v1 import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -64,6 +65,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Trace',
+                request_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -114,6 +120,14 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """The same as EngineService.Trace, on the peer port: an operator's grpcurl gets the whole path;
+        a sidecar asking for its peer's part sets local_only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +160,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +329,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Release',
             kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Trace',
+            kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from sidecar.core.node import Node
 
 
@@ -70,6 +70,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.Event]:
         async for event in self._events.watch(request):
             yield event
+
+    async def Trace(
+        self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TraceResponse:
+        return await self._node.tracing.query(request)
 
     async def GetStatus(
         self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from sidecar.peers.routes import PeerRoutes
 
 
@@ -42,3 +42,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.PeerReleaseRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PeerReleaseResponse:
         return await self._routes.release(request)
+
+    async def Trace(
+        self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TraceResponse:
+        return await self._routes.trace(request)

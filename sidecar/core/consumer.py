@@ -319,6 +319,13 @@ class ConsumerSide:
         if pending is None or not pending.is_push:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        self._ctx.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "notification",
+            f"the producer's WRITE into {worker.agent_name} completed",
+        )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
@@ -346,12 +353,26 @@ class ConsumerSide:
                 # whatever request now owns them. Confirm (and extend) the lease first, and that the
                 # blocks we name are the request's own. This call also reveals a restarted producer
                 # sidecar before its stale handshake is used. A keep-alive usually did it already.
-                await self._confirm_held(pending)
+                await ctx.trace.timed(
+                    "consumer",
+                    pending.engine_id,
+                    pending.request_id,
+                    "confirmed",
+                    "the producer holds the blocks (lease extended)",
+                    self._confirm_held(pending),
+                )
                 if self.requests.get(pending.key) is not pending:
                     return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             for attempt in (1, 2):
                 view = await asyncio.wait_for(
-                    ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                    ctx.trace.timed(
+                        "consumer",
+                        pending.engine_id,
+                        pending.request_id,
+                        "handshake",
+                        f"{address} {pending.remote.engine_id}",
+                        ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+                    ),
                     ctx.settings.peer_call_timeout_seconds,
                 )
                 problem = view.block_ids_problem(remote_blocks)
@@ -379,6 +400,7 @@ class ConsumerSide:
                         target_request_id=pending.remote.request_id,
                         transfer_id=pending.transfer_id,
                         timeout=window,
+                        on_step=ctx.trace.hook("consumer", pending.engine_id, pending.request_id),
                     )
                 )
                 if outcome.ok or not outcome.peer_gone or attempt == 2 or pending.cancel_reason:
@@ -428,7 +450,14 @@ class ConsumerSide:
     async def _register_push(self, pending: ConsumerRequest, engine: Engine, timeout: float) -> bool:
         ctx = self._ctx
         address = pending.remote.address
-        view = await ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash)
+        view = await ctx.trace.timed(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "handshake",
+            f"{address} {pending.remote.engine_id}",
+            ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
+        )
         # The producer will initiate; check the pairing from its side.
         check_compatible(
             [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
@@ -454,6 +483,13 @@ class ConsumerSide:
             ),
         )
         pending.registered = True
+        ctx.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "registered",
+            f"PushReg accepted by {address}" + (": writing" if response.matched else ": waiting for its SubmitBlocks"),
+        )
         return bool(response.matched)
 
     def _on_watchdog(self, keys: list[RequestKey]) -> None:
@@ -734,6 +770,17 @@ class ConsumerSide:
             remote=request.remote,
         )
         self.requests[pending.key] = pending
+        self._ctx.trace.event(
+            "consumer",
+            pending.engine_id,
+            pending.request_id,
+            "admitted",
+            f"{'ExpectPush' if pending.is_push else 'Pull'}: {sum(map(len, local))} blocks from "
+            f"{request.remote.engine_id}/{request.remote.request_id or '?'} at {request.remote.address or 'here'}",
+            transfer_id=pending.transfer_id,
+            ids=(request.remote.request_id,),
+            peer=request.remote.address,
+        )
         if pending.is_push:
             self._ctx.transport.expect_notifications(1)
         self._ctx.metrics.pending_receives.set(len(self.requests))
@@ -800,6 +847,7 @@ class ConsumerSide:
         event.transfer_id = pending.transfer_id
         event.bytes = pending.bytes_moved
         event.duration_ms = (time.monotonic() - pending.created) * 1000.0
+        self._ctx.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
         self._ctx.events.emit(pending.engine_id, event)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:

@@ -1,7 +1,7 @@
 """What every part of the node is handed instead of the node itself: settings, identity, the
-registry, the peer client, the data plane and transport, metrics, worker events and the task
-spawner. The node (``core.node``) builds one ``NodeContext`` and gives it to each part; no part
-imports the node.
+registry, the peer client, the data plane and transport, metrics, worker events, the task
+spawner and the per-request trace recorder. The node (``core.node``) builds one ``NodeContext``
+and gives it to each part; no part imports the node.
 
 Everything here is used on the event loop thread.
 """
@@ -13,7 +13,7 @@ import socket
 import time
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -23,6 +23,7 @@ from sidecar import PROTOCOL_VERSION, __version__
 from sidecar.config import Settings
 from sidecar.core.events import WorkerEvents
 from sidecar.core.registry import Registry
+from sidecar.core.trace import TraceRecorder
 from sidecar.dataplane.contract import Transport
 from sidecar.dataplane.plane import DataPlane
 from sidecar.errors import ResourceExhausted, Unavailable
@@ -116,3 +117,6 @@ class NodeContext:
     metrics: SidecarMetrics
     events: WorkerEvents
     tasks: Tasks
+    # Per-request timelines (``core.trace``); the node passes one sized by ``trace_requests``, a
+    # context built without it records nothing.
+    trace: TraceRecorder = field(default_factory=lambda: TraceRecorder(0))

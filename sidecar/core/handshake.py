@@ -53,6 +53,7 @@ class Handshakes:
                 "upgrade the older sidecar"
             )
         await self._ctx.peers.note_caller(request.caller)
+        self._ctx.trace.learn(request.caller)
         engine = self._engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
         self._ctx.transport.warm(_HANDSHAKE_WARM_SECONDS)
         return peer_pb2.HandshakeResponse(sidecar=self._ctx.identity.info(), engine=engine.descriptor())

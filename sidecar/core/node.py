@@ -9,7 +9,8 @@ The parts own the calls (the servicers call them directly, see ``api``):
 - ``producer`` (``core.producer``): SubmitBlocks, HoldBlocks; PushReg, Heartbeat, peer Release;
 - ``consumer`` (``core.consumer``): Pull, ExpectPush, KeepAlive; TransferFailed;
 - ``holds`` (``core.holds``): QueryCache both ways;
-- ``handshakes`` (``core.handshake``): Handshake.
+- ``handshakes`` (``core.handshake``): Handshake;
+- ``tracing`` (``core.trace``): Trace both ways (the recorder itself is ``context.trace``).
 The node itself keeps what spans parts: the lifecycle (start, drain, stop), Release (both sides
 of a request), GetStatus, and the routing of transport notifications to the side that expects
 them. ``routes`` is PeerService's routing table.
@@ -38,6 +39,7 @@ from sidecar.core.holds import Holds
 from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
+from sidecar.core.trace import TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
 from sidecar.dataplane.memory import MemoryImporter
 from sidecar.dataplane.plane import DataPlane
@@ -76,6 +78,7 @@ class Node:
             metrics=self.metrics,
             events=self.events,
             tasks=self.tasks,
+            trace=TraceRecorder(settings.trace_requests),
         )
         self.registrations = Registrations(
             self.context, MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
@@ -84,6 +87,7 @@ class Node:
         self.holds = Holds(self.context)
         self.producer = ProducerSide(self.context, self.holds)
         self.consumer = ConsumerSide(self.context)
+        self.tracing = Tracing(self.context.trace, self.identity.info, self.peers)
         # Wiring between parts, here so that no part knows another's owner.
         self.holds.lease_deadline = self.producer.leases.deadline
         self.registrations.drop_engine = self._drop_engine
@@ -95,6 +99,7 @@ class Node:
             query_cache=self.holds.handle_query_cache,
             transfer_failed=self.consumer.handle_transfer_failed,
             release=self.producer.handle_release,
+            trace=self.tracing.query,
             local_engine_view=self.handshakes.local_engine_view,
         )
         self.peers.bind_local(self.routes)

@@ -138,6 +138,14 @@ class ProducerSide:
             lease_seconds=lease,
         )
         self._add(pending)
+        ctx.trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "admitted",
+            f"SubmitBlocks: {_count(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, lease {lease:g}s",
+            transfer_id=pending.transfer_id,
+        )
         matched = False
         if pending.accepts_push:
             registration = self.matcher.add_submission(
@@ -317,6 +325,17 @@ class ProducerSide:
             ctx.tasks.check_capacity(self.matcher.pending_registrations)
         submission = self.matcher.add_registration(registration)
         if submission is None:
+            ctx.trace.event(
+                "push_registration",
+                request.prefill_engine_id,
+                request.request_id,
+                "registered",
+                f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
+                "waiting for SubmitBlocks",
+                transfer_id=request.transfer_id,
+                ids=(request.prefill_request_id,),
+                peer=request.caller.address,
+            )
             self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
             self._update_gauges()
             return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=False)
@@ -340,6 +359,16 @@ class ProducerSide:
             )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None and pending.closing is None:
+                ctx.trace.event(
+                    "producer",
+                    pending.engine_id,
+                    pending.request_id,
+                    "heartbeat",
+                    f"first heartbeat from consumer sidecar {request.caller_sidecar_id}",
+                    ids=(key.consumer_request_id,),
+                    peer_sidecar=request.caller_sidecar_id,
+                    once=True,
+                )
                 if not pending.held:
                     self.leases.extend(pending.key, now + extension)
                 pending.readable_until = max(pending.readable_until, now + extension)
@@ -402,6 +431,14 @@ class ProducerSide:
         if pending is None or not pending.accepts_pull:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        self._ctx.trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "notification",
+            f"a consumer's READ from {worker.agent_name} completed",
+            peer_sidecar=notice.sender_sidecar_id,
+        )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
             self._finish(pending, kind, reason=reason, hold_end="read")
@@ -413,6 +450,20 @@ class ProducerSide:
         request, blocks = registration.order
         self._registration_deadlines.cancel(registration.key)
         pending.writing = True
+        trace = self._ctx.trace
+        trace.event(
+            "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
+        )
+        trace.event(
+            "producer",
+            pending.engine_id,
+            pending.request_id,
+            "matched",
+            f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
+            f"{_count(blocks)} blocks",
+            ids=(request.request_id, request.transfer_id),
+            peer=request.caller.address,
+        )
         self._pushing[registration.key] = pending.key
         self._ctx.tasks.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
 
@@ -429,7 +480,14 @@ class ProducerSide:
         error = ""
         try:
             engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
-            view = await ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash)
+            view = await ctx.trace.timed(
+                "producer",
+                pending.engine_id,
+                pending.request_id,
+                "handshake",
+                f"{address} {request.decode_engine_id}",
+                ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash),
+            )
             local = engine.local_workers()
             ctx.dataplane.check(local, engine.tp_size, view)
             problem = view.block_ids_problem(blocks)
@@ -455,6 +513,7 @@ class ProducerSide:
                     transfer_id=request.transfer_id or pending.transfer_id,
                     timeout=ctx.settings.transfer_timeout_seconds,
                     not_after=not_after,
+                    on_step=ctx.trace.hook("producer", pending.engine_id, pending.request_id),
                 )
             )
             pending.bytes_moved = outcome.bytes
@@ -604,6 +663,7 @@ class ProducerSide:
             self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))
         self._update_gauges()
+        self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
         self._ctx.events.emit(
             pending.engine_id,
             engine_pb2.Event(
@@ -661,3 +721,7 @@ class ProducerSide:
                 )
             )
         return rows
+
+
+def _count(blocks: BlockIds) -> int:
+    return sum(len(group) for group in blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,10 @@ from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLa
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
+
+
+def _ignore(kind: str, detail: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,8 @@ class TransferJob:
     transfer_id: str
     timeout: float
     not_after: float | None = None
+    # Told of each post and each completion, as (kind, detail): the request's trace.
+    on_step: Callable[[str, str], None] = _ignore
 
 
 class DataPlane:
@@ -224,7 +231,10 @@ class DataPlane:
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
         payload = self.notice(job.target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank)
-        return await self._transport.transfer(
+        job.on_step(
+            "posted", f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
+        )
+        result = await self._transport.transfer(
             TransferSpec(
                 agent_name=worker.agent_name,
                 op=job.op,
@@ -238,6 +248,8 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:
@@ -245,6 +257,15 @@ class DataPlane:
         except Exception as exc:
             return TransferResult(False, f"notification failed: {exc}")
         return TransferResult(True)
+
+
+def _describe(op: str, agent_name: str, result: TransferResult) -> str:
+    if not result.ok:
+        return f"{op} on {agent_name} failed: {result.error}"
+    return (
+        f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
+        f"post {result.post_s * 1000:.3f} ms, transfer {result.duration_s * 1000:.3f} ms"
+    )
 
 
 def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:

@@ -253,6 +253,15 @@ class PeerClient:
         response = await self._call(address, request, lambda r: r.release, lambda s: s.Release, wait_for_ready)
         return cast(peer_pb2.PeerReleaseResponse, response)
 
+    async def trace(self, address: str, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
+        response = await self._call(address, request, lambda r: r.trace, lambda s: s.Trace)
+        return cast(common_pb2.TraceResponse, response)
+
+    def clock_offset_ms(self, address: str) -> float:
+        """The peer's clock minus ours as estimated at its handshake (0 when never handshaken)."""
+        state = self._peers.get(self._key(address))
+        return state.clock_offset_ms if state is not None else 0.0
+
     async def _call(
         self,
         address: str,

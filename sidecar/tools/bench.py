@@ -99,9 +99,17 @@ class RawNixl:
     with prepared lists and a notification, progress driven by polling (no progress thread), as
     the sidecar does. The target agent lives in this process (``separate_process=False``: the
     in-process floor) or in a child process (the floor for a transfer between two processes, which
-    is what an in-engine connector does between a prefill and a decode engine)."""
+    is what an in-engine connector does between a prefill and a decode engine); ``target_wrapper``
+    runs that child elsewhere (``ip netns exec NS``: on another host), polling every
+    ``target_poll_s``."""
 
-    def __init__(self, pair: TransferPair, separate_process: bool = False) -> None:
+    def __init__(
+        self,
+        pair: TransferPair,
+        separate_process: bool = False,
+        target_wrapper: Sequence[str] = (),
+        target_poll_s: float = 0.0001,
+    ) -> None:
         from sidecar.dataplane.transport import load_nixl
 
         api, _ = load_nixl()
@@ -117,7 +125,8 @@ class RawNixl:
         if separate_process:
             # The child maps the destination file itself; its addresses are what we write to.
             self.child = subprocess.Popen(
-                [sys.executable, "-m", "sidecar.tools.bench_target", str(target.path), str(layout.total_bytes)],
+                [*target_wrapper, sys.executable, "-m", "sidecar.tools.bench_target", str(target.path),
+                 str(layout.total_bytes), str(target_poll_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
             )  # fmt: skip
             assert self.child.stdout is not None

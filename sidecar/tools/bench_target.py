@@ -1,7 +1,9 @@
 """The target side of the benchmark's cross-process raw-NIXL path: a NIXL agent in its own process
 over a shared-memory file, driving progress by polling, as a consumer engine's agent would.
 
-Protocol: started with the file path and length; prints one line "<mapping address> <agent
+Protocol: started with the file path, its length and optionally the poll period in seconds
+(default 0.0001; over TCP the target's progress moves the bytes, so a cross-host run polls as
+often as a sidecar's owner thread does after activity); prints one line "<mapping address> <agent
 metadata as hex>" and polls until stdin closes. Used by ``sidecar.tools.bench`` only.
 """
 
@@ -16,6 +18,7 @@ import time
 
 def main() -> int:
     path, length = sys.argv[1], int(sys.argv[2])
+    period = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0001
     from sidecar.dataplane.transport import load_nixl
 
     api, _ = load_nixl()
@@ -39,7 +42,7 @@ def main() -> int:
     threading.Thread(target=wait_for_eof, daemon=True).start()
     while not done.is_set():
         agent.get_new_notifs()  # progress: wire-up and notifications
-        time.sleep(0.0001)
+        time.sleep(period)
     return 0
 
 

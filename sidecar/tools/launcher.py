@@ -53,6 +53,8 @@ class DaemonProcess:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     peer_port: int = 0
+    # Command prefix, e.g. ``ip netns exec NS`` to run the daemon on another (namespaced) host.
+    wrapper: list[str] = field(default_factory=list)
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
     sidecar_id: str = ""
@@ -68,7 +70,7 @@ class DaemonProcess:
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "sidecar.app.cli", "serve",
+            *self.wrapper, sys.executable, "-m", "sidecar.app.cli", "serve",
             "--engine-socket", str(self.socket),
             "--peer-listen", f"127.0.0.1:{self.peer_port}",
             "--metrics-listen", "off",

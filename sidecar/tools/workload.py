@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -42,6 +42,7 @@ class TransferPair:
         sidecar_args: Sequence[str] = (),
         workdir: Path | None = None,
         request_timeout: float = 60.0,
+        make_daemon: Callable[[str], DaemonProcess] | None = None,
     ) -> None:
         self.layout = layout
         self.same_node = same_node
@@ -49,6 +50,8 @@ class TransferPair:
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
         self._sidecar_args = list(sidecar_args)
+        # Builds the (unstarted) daemon called "p" or "d", e.g. on another host; default: loopback.
+        self._make_daemon = make_daemon or (lambda name: DaemonProcess(self.workdir, name, list(self._sidecar_args)))
         self.daemons: list[DaemonProcess] = []
         self.producer: SimulatedEngine | None = None
         self.consumer: SimulatedEngine | None = None
@@ -70,11 +73,11 @@ class TransferPair:
         self.close()
 
     def start(self) -> None:
-        p_daemon = DaemonProcess(self.workdir, "p", list(self._sidecar_args)).start()
+        p_daemon = self._make_daemon("p").start()
         self.daemons.append(p_daemon)
         d_daemon = p_daemon
         if not self.same_node:
-            d_daemon = DaemonProcess(self.workdir, "d", list(self._sidecar_args)).start()
+            d_daemon = self._make_daemon("d").start()
             self.daemons.append(d_daemon)
         self.producer = SimulatedEngine(p_daemon.socket, "bench-P", "producer", self.layout)
         self.producer.start(on_event=self._route)

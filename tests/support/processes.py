@@ -62,10 +62,12 @@ class EngineProcess:
         block_len: int = 4096,
         heads: int = 1,
         model: str = "simulated",
+        wrapper: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.log_path = workdir / f"engine-{engine_id}.log"
         command = [
+            *(wrapper or []),  # e.g. ``ip netns exec NS``: an engine on another (namespaced) host
             sys.executable,
             "-m",
             "engine_shim.simulated",

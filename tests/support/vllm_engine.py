@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             "shm_paths": [str(path) for path in side.shm_paths()],
             "vllm_requests": len(scheduler.requests),
             "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "offers_kv": scheduler_connector.scheduler_side.offers_kv,
         }
 
     _emit({"ready": {"pid": os.getpid(), "startup_s": time.monotonic() - started, **shim_status()}})
