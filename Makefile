@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast multihost lint run demo bench bench-multihost bench-scaling bench-vllm bench-multiturn clean
+.PHONY: setup proto proto-check test test-fast hetero multihost lint run demo bench bench-multihost bench-scaling bench-vllm bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,14 @@ proto: setup
 
 # The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
 test: setup
-	$(PY) -m pytest -q -m "not multihost_full"
+	$(PY) -m pytest -q -m "not hetero and not multihost_full"
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm and not multihost_full"
+	$(PY) -m pytest -q -m "not vllm and not hetero and not multihost_full"
+
+# The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
+hetero: setup
+	$(PY) -m pytest -q -m hetero tests/test_hetero.py
 
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup

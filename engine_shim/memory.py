@@ -88,6 +88,8 @@ class KvLayout:
     num_kv_heads: int = 1
     total_num_kv_heads: int = 1
     physical_blocks_per_logical: int = 1
+    head_size: int = 0
+    dtype: str = ""
 
     @property
     def layer_bytes(self) -> int:
@@ -131,6 +133,8 @@ def kv_registration(
             num_blocks=layout.num_blocks,
             num_kv_heads=layout.num_kv_heads,
             total_num_kv_heads=layout.total_num_kv_heads,
+            head_size=layout.head_size,
+            dtype=layout.dtype,
         ),
         exports=list(exports),
         regions=[

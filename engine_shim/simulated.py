@@ -3,7 +3,11 @@ through ``SidecarClient``, standing in for vLLM's workers in the demo, the bench
 
 Each worker owns one ``SharedBuffer`` laid out as ``KvLayout`` (layer-major), registers it, and
 drains its WatchEvents stream. Block contents are a deterministic pattern of (seed, rank, layer,
-block), so a receiver can check every byte without seeing the sender.
+block), so a receiver can check every byte without seeing the sender. For engines that differ in
+block size, layout or TP, ``fill_tokens`` / ``verify_tokens`` write and check *logical* content
+instead: a pattern of (seed, layer, token, global head) placed by the engine's own layout
+(``HND``/``LBHNC``: heads x tokens x chunk per block; ``NHD``/``LBNHC``: tokens x heads x chunk),
+computed here independently of the sidecar's planning code.
 
 Run as a process (``python -m engine_shim.simulated ...``) it is driven by JSON lines on stdin and
 reports events as JSON lines on stdout; see ``main``.
@@ -39,6 +43,16 @@ def pattern(seed: int, rank: int, layer: int, block: int, length: int) -> np.nda
     """Deterministic, block-distinct bytes."""
     rng = np.random.default_rng([seed, rank, layer, block])
     return rng.integers(0, 256, size=length, dtype=np.uint8)
+
+
+def logical_content(seed: int, layer: int, num_tokens: int, heads: int, chunk: int) -> np.ndarray:
+    """(tokens, heads, chunk) bytes of one layer of a request: the same whatever the engine's
+    block size, layout or TP size (token t's content does not depend on num_tokens)."""
+    rng = np.random.default_rng([seed, layer])
+    return rng.integers(0, 256, size=(num_tokens, heads, chunk), dtype=np.uint8)
+
+
+HEAD_MAJOR_NAMES = frozenset({"HND", "LBHNC"})
 
 
 @dataclass
@@ -118,6 +132,60 @@ class SimulatedEngine:
                         seed, worker.rank, layer, block, self.layout.block_len
                     )
 
+    @property
+    def chunk(self) -> int:
+        """Bytes of one token of one head (K and V)."""
+        return self.layout.block_len // (self.layout.block_size * self.layout.num_kv_heads)
+
+    def _token_major(self, rank: int, layer: int, block: int) -> np.ndarray:
+        """Block ``block`` of ``layer`` on ``rank`` as a (tokens, heads, chunk) view."""
+        size, heads = self.layout.block_size, self.layout.num_kv_heads
+        raw = self.block(rank, layer, block)
+        if self.layout.kv_layout in HEAD_MAJOR_NAMES:
+            return raw.reshape(heads, size, self.chunk).transpose(1, 0, 2)
+        return raw.reshape(size, heads, self.chunk)
+
+    def _token_blocks(self, block_ids: Sequence[int], first_token: int, num_tokens: int) -> list[tuple[int, int, int]]:
+        """(block, first token, tokens) of each listed block holding part of [first_token, num_tokens)."""
+        size = self.layout.block_size
+        out = []
+        for index, block in enumerate(block_ids):
+            start = first_token + index * size
+            if start < num_tokens:
+                out.append((block, start, min(size, num_tokens - start)))
+        return out
+
+    def fill_tokens(self, block_ids: Sequence[int], num_tokens: int, seed: int) -> None:
+        """Write tokens [0, num_tokens) of a request into ``block_ids`` (logical content)."""
+        heads = self.layout.num_kv_heads
+        for layer in range(self.layout.num_layers):
+            content = logical_content(seed, layer, num_tokens, heads * self.tp_size, self.chunk)
+            for worker in self.workers:
+                mine = content[:, worker.rank * heads : (worker.rank + 1) * heads]
+                for block, start, count in self._token_blocks(block_ids, 0, num_tokens):
+                    self._token_major(worker.rank, layer, block)[:count] = mine[start : start + count]
+
+    def verify_tokens(self, block_ids: Sequence[int], first_token: int, num_tokens: int, seed: int) -> dict[str, Any]:
+        """Check tokens [first_token, num_tokens) in ``block_ids`` (the first block starts at
+        ``first_token``) against the logical content, and that the last block's slots past
+        ``num_tokens`` are still zero (nothing was written beyond the request)."""
+        heads = self.layout.num_kv_heads
+        bad: list[list[int]] = []
+        tail_dirty = 0
+        checked = 0
+        for layer in range(self.layout.num_layers):
+            content = logical_content(seed, layer, num_tokens, heads * self.tp_size, self.chunk)
+            for worker in self.workers:
+                mine = content[:, worker.rank * heads : (worker.rank + 1) * heads]
+                for block, start, count in self._token_blocks(block_ids, first_token, num_tokens):
+                    view = self._token_major(worker.rank, layer, block)
+                    wrong = np.flatnonzero((view[:count] != mine[start : start + count]).any(axis=(1, 2)))
+                    checked += count
+                    if wrong.size:
+                        bad.append([worker.rank, layer, start + int(wrong[0]), int(wrong.size)])
+                    tail_dirty += int(view[count:].any())
+        return {"checked_tokens": checked, "bad": bad[:8], "bad_count": len(bad), "tail_dirty": tail_dirty}
+
     def clear(self) -> None:
         for worker in self.workers:
             worker.buffer.array[:] = 0
@@ -146,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run a simulated engine as a process.
 
     stdin, one JSON object per line: {"op": "fill", "blocks": [..], "seed": n} |
-    {"op": "submit", "request_id", "blocks": [[..]], "transfer_id"?, "lease_seconds"?, "mode"?} |
+    {"op": "fill_tokens", "blocks": [..], "num_tokens", "seed"} | {"op": "clear"} |
+    {"op": "verify_tokens", "blocks": [..], "first_token", "num_tokens", "seed"} (replies
+    checked_tokens, bad_count, bad: [[rank, layer, first bad token, count]], tail_dirty) |
+    {"op": "submit", "request_id", "blocks": [[..]], "num_tokens"?, "transfer_id"?, "lease_seconds"?, "mode"?} |
     {"op": "pull", "request_id", "blocks": [[..]], "remote": {address, engine_id, request_id, blocks}} |
     {"op": "expect_push", "request_id", "blocks": [[..]], "remote": {...}, "timeout_seconds"?} |
     {"op": "hold", "request_id", "blocks": [[..]], "conversation_id"?, "ttl_seconds"?, "block_hashes"?: [hex]} |
@@ -166,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-len", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=1, help="KV heads per worker")
     parser.add_argument("--model", default="simulated", help="compat factor 'model'")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--kv-layout", default="LBHNC", help="HND/LBHNC, NHD/LBNHC, or any opaque name")
+    parser.add_argument("--head-size", type=int, default=0, help="stated head size (0: not stated)")
+    parser.add_argument("--dtype", default="", help="stated KV dtype ('': not stated)")
     args = parser.parse_args(argv)
 
     lock = threading.Lock()
@@ -176,7 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
 
     layout = KvLayout(
-        args.layers, args.blocks, args.block_len, num_kv_heads=args.heads, total_num_kv_heads=args.heads * args.tp
+        args.layers,
+        args.blocks,
+        args.block_len,
+        block_size=args.block_size,
+        kv_layout=args.kv_layout,
+        num_kv_heads=args.heads,
+        total_num_kv_heads=args.heads * args.tp,
+        head_size=args.head_size,
+        dtype=args.dtype,
     )
 
     def forward(rank: int, event: engine_pb2.Event) -> None:
@@ -218,11 +301,22 @@ def main(argv: list[str] | None = None) -> int:
                 if op == "fill":
                     engine.fill(command["blocks"], command["seed"])
                     result: dict[str, Any] = {}
+                elif op == "fill_tokens":
+                    engine.fill_tokens(command["blocks"], command["num_tokens"], command["seed"])
+                    result = {}
+                elif op == "verify_tokens":
+                    result = engine.verify_tokens(
+                        command["blocks"], command.get("first_token", 0), command["num_tokens"], command["seed"]
+                    )
+                elif op == "clear":
+                    engine.clear()
+                    result = {}
                 elif op == "submit":
                     response = client.submit_blocks(
                         engine.engine_id,
                         command["request_id"],
                         _blocks(command["blocks"]),
+                        num_tokens=command.get("num_tokens", 0),
                         transfer_id=command.get("transfer_id", ""),
                         lease_seconds=command.get("lease_seconds", 0.0),
                         mode=command.get("mode", 0),
@@ -236,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                         spec.get("request_id", ""),
                         _blocks(spec.get("blocks", [])),
                         spec.get("tp_size", 0),
+                        spec.get("num_tokens", 0),
                     )
                     if op == "pull":
                         client.pull(

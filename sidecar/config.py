@@ -178,6 +178,17 @@ class Settings(BaseSettings):
     # requests, each at most 64 events); 0 turns tracing off.
     trace_requests: int = Field(default=1024, ge=0, le=1_000_000)
 
+    # Consumer-side check of moved KV: "digest" makes the consumer compare a digest of every
+    # received block's logical content (token x head x bytes, whatever the layouts and block
+    # sizes) with the producer's, and report LOAD_FAILED naming the first bad block on mismatch.
+    # Costs a hash of the request's bytes on both sides (bench/README.md). The consumer's setting
+    # decides; requests with several KV cache groups (hybrid models) move unchecked.
+    integrity: Literal["off", "digest"] = "off"
+    # Converted transfers (different block size, layout, or TP with a token-major layout) whose
+    # descriptor runs average fewer bytes than this go through a registered staging buffer and a
+    # local numpy permutation instead of one NIXL descriptor per run (bench/README.md).
+    staging_below_bytes: int = Field(default=16384, ge=0, le=1 << 30)
+
     # mTLS between sidecars: all three set enables it on the peer port and for outgoing calls.
     peer_tls_cert: Path | None = None
     peer_tls_key: Path | None = None

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from bench.shim_step import kv_cache_config  # noqa: E402
+from engine_shim.vllm import compat  # noqa: E402
 from engine_shim.vllm.compat import compat_factors  # noqa: E402
 from engine_shim.vllm.config import ShimConfig  # noqa: E402
 from engine_shim.vllm.scheduler import SchedulerSide  # noqa: E402
@@ -139,10 +140,17 @@ def registration(tmp_path: Path, layout: str) -> Any:
         worker.shutdown()
 
 
-def test_layout_travels_in_the_geometry_not_in_the_compatibility_factors(tmp_path: Path) -> None:
+def test_layout_travels_in_the_geometry_not_in_the_compatibility_factors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two engines that differ only in KV layout have the same compatibility factors (so the
     sidecar can plan or convert per transfer instead of refusing the peer at the handshake), and
-    each worker's geometry carries the layout it really has."""
+    each worker's geometry carries the layout it really has, with its head size and dtype. vLLM's
+    CPU attention has its own layout inside a head (by ISA): on the CPU the geometry names it."""
+    cpu = registration(tmp_path, "LBHNC")
+    assert cpu.geometry.kv_layout == "CPU_VEC_LBHNC"  # fp32, head size 32, block size 32, x86 without AMX
+    assert (cpu.geometry.head_size, cpu.geometry.dtype) == (32, "float32")
+    monkeypatch.setattr(compat, "is_cpu", lambda config: False)  # as a GPU engine reports it
     lbhnc = registration(tmp_path, "LBHNC")
     hnd = registration(tmp_path, "HND")
     assert lbhnc.geometry.kv_layout == "LBHNC" and hnd.geometry.kv_layout == "HND"

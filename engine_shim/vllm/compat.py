@@ -90,12 +90,36 @@ def compat_factors(vllm_config: VllmConfig) -> dict[str, str]:
     return factors
 
 
-def kv_layout_of(kv_cache_config: KVCacheConfig) -> str:
+def kv_layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
     """The layout of the KV cache this worker was given: what the engine core resolved and every
     worker adopted (``kv_cache_config.kv_cache_layout``); an older vLLM that does not say used the
-    layout this connector requires. Sent in the worker's geometry, where the sidecar plans (and
-    may one day convert) per transfer; it is not a compatibility factor."""
-    return str(getattr(kv_cache_config, "kv_cache_layout", None) or REQUIRED_LAYOUT)
+    layout this connector requires. Sent in the worker's geometry, where the sidecar plans and
+    converts per transfer; it is not a compatibility factor.
+
+    vLLM's CPU attention lays out each (block, head) by its ISA (with "vec", K is stored
+    transposed, [head_size, tokens], then V as [tokens, head_size]): heads are contiguous, but it
+    is not LBHNC token by token, so it is named "CPU_<ISA>_LBHNC". The sidecar treats every such
+    name as head-major (TP slices) and converts block sizes of "CPU_VEC_LBHNC" only."""
+    if not is_cpu(vllm_config):
+        return str(getattr(kv_cache_config, "kv_cache_layout", None) or REQUIRED_LAYOUT)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        if not isinstance(model.dtype, torch.dtype):
+            raise TypeError(f"unresolved model dtype {model.dtype!r}")
+        isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    except Exception:
+        isa = "unknown"
+    return f"CPU_{str(isa).upper()}_LBHNC"
+
+
+def cache_dtype(vllm_config: VllmConfig) -> str:
+    """The KV cache's element type as the worker states it in its geometry."""
+    dtype = str(vllm_config.cache_config.cache_dtype)
+    if dtype != "auto":
+        return dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
 def check_groups(kv_cache_config: KVCacheConfig) -> None:

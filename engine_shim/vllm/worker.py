@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, SidecarClient
-from engine_shim.vllm.compat import compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
+from engine_shim.vllm.compat import cache_dtype, compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
@@ -208,11 +208,13 @@ class WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=kv_layout_of(config),
+                kv_layout=kv_layout_of(self.vllm_config, config),
                 num_blocks=num_blocks,
                 num_kv_heads=model.get_num_kv_heads(parallel),
                 total_num_kv_heads=model.get_total_num_kv_heads(),
                 is_mla=bool(model.use_mla),
+                head_size=int(model.get_head_size()),
+                dtype=cache_dtype(self.vllm_config),
             ),
             exports=exports,
             regions=regions,

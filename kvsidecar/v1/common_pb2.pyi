@@ -77,7 +77,7 @@ class SidecarInfo(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., address: _Optional[str] = ..., versions: _Optional[_Union[VersionInfo, _Mapping]] = ..., clock_unix_s: _Optional[float] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class KvGeometry(_message.Message):
-    __slots__ = ("block_size", "physical_blocks_per_logical", "kv_layout", "num_blocks", "num_kv_heads", "total_num_kv_heads", "is_mla")
+    __slots__ = ("block_size", "physical_blocks_per_logical", "kv_layout", "num_blocks", "num_kv_heads", "total_num_kv_heads", "is_mla", "head_size", "dtype")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PHYSICAL_BLOCKS_PER_LOGICAL_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class KvGeometry(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     IS_MLA_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     physical_blocks_per_logical: int
     kv_layout: str
@@ -92,7 +94,9 @@ class KvGeometry(_message.Message):
     num_kv_heads: int
     total_num_kv_heads: int
     is_mla: bool
-    def __init__(self, block_size: _Optional[int] = ..., physical_blocks_per_logical: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ..., is_mla: _Optional[bool] = ...) -> None: ...
+    head_size: int
+    dtype: str
+    def __init__(self, block_size: _Optional[int] = ..., physical_blocks_per_logical: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ..., is_mla: _Optional[bool] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TraceRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "local_only", "also_ids")

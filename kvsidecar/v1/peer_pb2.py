@@ -26,7 +26,7 @@ from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
 from kvsidecar.v1 import engine_pb2 as kvsidecar_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/engine.proto\"\xa8\x01\n\x0cRemoteRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x10\n\x08group_id\x18\x05 \x01(\r\x12&\n\x04kind\x18\x06 \x01(\x0e\x32\x18.kvsidecar.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\x05\"\xb9\x01\n\x10WorkerDescriptor\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12+\n\x07regions\x18\x05 \x03(\x0b\x32\x1a.kvsidecar.v1.RemoteRegion\x12*\n\x08geometry\x18\x06 \x01(\x0b\x32\x18.kvsidecar.v1.KvGeometry\"\xe8\x01\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvsidecar.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12/\n\x07workers\x18\x07 \x03(\x0b\x32\x1e.kvsidecar.v1.WorkerDescriptor\x12\x12\n\ngeneration\x18\x08 \x01(\t\"l\n\x10HandshakeRequest\x12)\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x03 \x01(\t\"o\n\x11HandshakeResponse\x12*\n\x07sidecar\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12.\n\x06\x65ngine\x18\x02 \x01(\x0b\x32\x1e.kvsidecar.v1.EngineDescriptor\"\xcf\x02\n\x0ePushRegRequest\x12)\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12\x19\n\x11prefill_engine_id\x18\x02 \x01(\t\x12\x1a\n\x12prefill_request_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x30\n\tblock_ids\x18\x07 \x01(\x0b\x32\x1d.kvsidecar.v1.GroupedBlockIds\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x08 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\t \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_generation\x18\x0b \x01(\t\"6\n\x0fPushRegResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x0f\n\x07matched\x18\x02 \x01(\x08\"\x84\x01\n\nRequestKey\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63onsumer_request_id\x18\x03 \x01(\t\x12\x30\n\tblock_ids\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.GroupedBlockIds\"l\n\x10HeartbeatRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x08requests\x18\x03 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\"\x9b\x01\n\x11HeartbeatResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12)\n\x07unknown\x18\x02 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x30\n\x0e\x66oreign_blocks\x18\x04 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\"\x88\x01\n\x15PeerQueryCacheRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"W\n\x16PeerQueryCacheResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.kvsidecar.v1.CacheEntry\"~\n\x15TransferFailedRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\";\n\x16TransferFailedResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"\xaa\x01\n\x12PeerReleaseRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x1b\n\x13\x63onsumer_request_id\x18\x05 \x01(\t\x12\x10\n\x08\x63onsumed\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\"K\n\x13PeerReleaseResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x08\"y\n\x0eTransferNotice\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08\x65xpected\x18\x03 \x01(\r\x12\x19\n\x11sender_sidecar_id\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t2\xb9\x04\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12\x46\n\x07PushReg\x12\x1c.kvsidecar.v1.PushRegRequest\x1a\x1d.kvsidecar.v1.PushRegResponse\x12L\n\tHeartbeat\x12\x1e.kvsidecar.v1.HeartbeatRequest\x1a\x1f.kvsidecar.v1.HeartbeatResponse\x12W\n\nQueryCache\x12#.kvsidecar.v1.PeerQueryCacheRequest\x1a$.kvsidecar.v1.PeerQueryCacheResponse\x12[\n\x0eTransferFailed\x12#.kvsidecar.v1.TransferFailedRequest\x1a$.kvsidecar.v1.TransferFailedResponse\x12N\n\x07Release\x12 .kvsidecar.v1.PeerReleaseRequest\x1a!.kvsidecar.v1.PeerReleaseResponse\x12@\n\x05Trace\x12\x1a.kvsidecar.v1.TraceRequest\x1a\x1b.kvsidecar.v1.TraceResponseB\x1cP\x01Z\x18kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvsidecar/v1/peer.proto\x12\x0ckvsidecar.v1\x1a\x19kvsidecar/v1/common.proto\x1a\x19kvsidecar/v1/engine.proto\"[\n\tKvDigests\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\tend_token\x18\x02 \x01(\r\x12\x16\n\x0egranule_tokens\x18\x03 \x01(\r\x12\x0e\n\x06values\x18\x04 \x03(\x0c\"\x91\x01\n\x11GetDigestsRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12%\n\x04span\x18\x05 \x01(\x0b\x32\x17.kvsidecar.v1.KvDigests\"R\n\x12GetDigestsResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12(\n\x07\x64igests\x18\x02 \x01(\x0b\x32\x17.kvsidecar.v1.KvDigests\"\xa8\x01\n\x0cRemoteRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x10\n\x08group_id\x18\x05 \x01(\r\x12&\n\x04kind\x18\x06 \x01(\x0e\x32\x18.kvsidecar.v1.MemoryKind\x12\x11\n\tdevice_id\x18\x07 \x01(\x05\"\xb9\x01\n\x10WorkerDescriptor\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_rank\x18\x02 \x01(\r\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12+\n\x07regions\x18\x05 \x03(\x0b\x32\x1a.kvsidecar.v1.RemoteRegion\x12*\n\x08geometry\x18\x06 \x01(\x0b\x32\x18.kvsidecar.v1.KvGeometry\"\xe8\x01\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvsidecar.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0f\n\x07pp_size\x18\x04 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12/\n\x07workers\x18\x07 \x03(\x0b\x32\x1e.kvsidecar.v1.WorkerDescriptor\x12\x12\n\ngeneration\x18\x08 \x01(\t\"l\n\x10HandshakeRequest\x12)\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\x03 \x01(\t\"o\n\x11HandshakeResponse\x12*\n\x07sidecar\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12.\n\x06\x65ngine\x18\x02 \x01(\x0b\x32\x1e.kvsidecar.v1.EngineDescriptor\"\xe5\x02\n\x0ePushRegRequest\x12)\n\x06\x63\x61ller\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12\x19\n\x11prefill_engine_id\x18\x02 \x01(\t\x12\x1a\n\x12prefill_request_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x30\n\tblock_ids\x18\x07 \x01(\x0b\x32\x1d.kvsidecar.v1.GroupedBlockIds\x12\x16\n\x0e\x64\x65\x63ode_tp_size\x18\x08 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\t \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\n \x01(\x01\x12\x19\n\x11\x64\x65\x63ode_generation\x18\x0b \x01(\t\x12\x14\n\x0cwant_digests\x18\x0c \x01(\x08\"6\n\x0fPushRegResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x0f\n\x07matched\x18\x02 \x01(\x08\"\x84\x01\n\nRequestKey\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63onsumer_request_id\x18\x03 \x01(\t\x12\x30\n\tblock_ids\x18\x04 \x01(\x0b\x32\x1d.kvsidecar.v1.GroupedBlockIds\"l\n\x10HeartbeatRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x08requests\x18\x03 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\"\x9b\x01\n\x11HeartbeatResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12)\n\x07unknown\x18\x02 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x30\n\x0e\x66oreign_blocks\x18\x04 \x03(\x0b\x32\x18.kvsidecar.v1.RequestKey\"\x88\x01\n\x15PeerQueryCacheRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"W\n\x16PeerQueryCacheResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12)\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x18.kvsidecar.v1.CacheEntry\"~\n\x15TransferFailedRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\";\n\x16TransferFailedResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"\xaa\x01\n\x12PeerReleaseRequest\x12\x19\n\x11\x63\x61ller_sidecar_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x1b\n\x13\x63onsumer_request_id\x18\x05 \x01(\t\x12\x10\n\x08\x63onsumed\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\"K\n\x13PeerReleaseResponse\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x08\"\xa3\x01\n\x0eTransferNotice\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08\x65xpected\x18\x03 \x01(\r\x12\x19\n\x11sender_sidecar_id\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12(\n\x07\x64igests\x18\x06 \x01(\x0b\x32\x17.kvsidecar.v1.KvDigests2\x8a\x05\n\x0bPeerService\x12L\n\tHandshake\x12\x1e.kvsidecar.v1.HandshakeRequest\x1a\x1f.kvsidecar.v1.HandshakeResponse\x12\x46\n\x07PushReg\x12\x1c.kvsidecar.v1.PushRegRequest\x1a\x1d.kvsidecar.v1.PushRegResponse\x12L\n\tHeartbeat\x12\x1e.kvsidecar.v1.HeartbeatRequest\x1a\x1f.kvsidecar.v1.HeartbeatResponse\x12W\n\nQueryCache\x12#.kvsidecar.v1.PeerQueryCacheRequest\x1a$.kvsidecar.v1.PeerQueryCacheResponse\x12[\n\x0eTransferFailed\x12#.kvsidecar.v1.TransferFailedRequest\x1a$.kvsidecar.v1.TransferFailedResponse\x12N\n\x07Release\x12 .kvsidecar.v1.PeerReleaseRequest\x1a!.kvsidecar.v1.PeerReleaseResponse\x12O\n\nGetDigests\x12\x1f.kvsidecar.v1.GetDigestsRequest\x1a .kvsidecar.v1.GetDigestsResponse\x12@\n\x05Trace\x12\x1a.kvsidecar.v1.TraceRequest\x1a\x1b.kvsidecar.v1.TraceResponseB\x1cP\x01Z\x18kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,40 +34,46 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvsidecar.v1.peer_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'P\001Z\030kvsidecar/v1;kvsidecarv1'
-  _globals['_REMOTEREGION']._serialized_start=96
-  _globals['_REMOTEREGION']._serialized_end=264
-  _globals['_WORKERDESCRIPTOR']._serialized_start=267
-  _globals['_WORKERDESCRIPTOR']._serialized_end=452
-  _globals['_ENGINEDESCRIPTOR']._serialized_start=455
-  _globals['_ENGINEDESCRIPTOR']._serialized_end=687
-  _globals['_HANDSHAKEREQUEST']._serialized_start=689
-  _globals['_HANDSHAKEREQUEST']._serialized_end=797
-  _globals['_HANDSHAKERESPONSE']._serialized_start=799
-  _globals['_HANDSHAKERESPONSE']._serialized_end=910
-  _globals['_PUSHREGREQUEST']._serialized_start=913
-  _globals['_PUSHREGREQUEST']._serialized_end=1248
-  _globals['_PUSHREGRESPONSE']._serialized_start=1250
-  _globals['_PUSHREGRESPONSE']._serialized_end=1304
-  _globals['_REQUESTKEY']._serialized_start=1307
-  _globals['_REQUESTKEY']._serialized_end=1439
-  _globals['_HEARTBEATREQUEST']._serialized_start=1441
-  _globals['_HEARTBEATREQUEST']._serialized_end=1549
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1552
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1707
-  _globals['_PEERQUERYCACHEREQUEST']._serialized_start=1710
-  _globals['_PEERQUERYCACHEREQUEST']._serialized_end=1846
-  _globals['_PEERQUERYCACHERESPONSE']._serialized_start=1848
-  _globals['_PEERQUERYCACHERESPONSE']._serialized_end=1935
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=1937
-  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=2063
-  _globals['_TRANSFERFAILEDRESPONSE']._serialized_start=2065
-  _globals['_TRANSFERFAILEDRESPONSE']._serialized_end=2124
-  _globals['_PEERRELEASEREQUEST']._serialized_start=2127
-  _globals['_PEERRELEASEREQUEST']._serialized_end=2297
-  _globals['_PEERRELEASERESPONSE']._serialized_start=2299
-  _globals['_PEERRELEASERESPONSE']._serialized_end=2374
-  _globals['_TRANSFERNOTICE']._serialized_start=2376
-  _globals['_TRANSFERNOTICE']._serialized_end=2497
-  _globals['_PEERSERVICE']._serialized_start=2500
-  _globals['_PEERSERVICE']._serialized_end=3069
+  _globals['_KVDIGESTS']._serialized_start=95
+  _globals['_KVDIGESTS']._serialized_end=186
+  _globals['_GETDIGESTSREQUEST']._serialized_start=189
+  _globals['_GETDIGESTSREQUEST']._serialized_end=334
+  _globals['_GETDIGESTSRESPONSE']._serialized_start=336
+  _globals['_GETDIGESTSRESPONSE']._serialized_end=418
+  _globals['_REMOTEREGION']._serialized_start=421
+  _globals['_REMOTEREGION']._serialized_end=589
+  _globals['_WORKERDESCRIPTOR']._serialized_start=592
+  _globals['_WORKERDESCRIPTOR']._serialized_end=777
+  _globals['_ENGINEDESCRIPTOR']._serialized_start=780
+  _globals['_ENGINEDESCRIPTOR']._serialized_end=1012
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1014
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1122
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1124
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1235
+  _globals['_PUSHREGREQUEST']._serialized_start=1238
+  _globals['_PUSHREGREQUEST']._serialized_end=1595
+  _globals['_PUSHREGRESPONSE']._serialized_start=1597
+  _globals['_PUSHREGRESPONSE']._serialized_end=1651
+  _globals['_REQUESTKEY']._serialized_start=1654
+  _globals['_REQUESTKEY']._serialized_end=1786
+  _globals['_HEARTBEATREQUEST']._serialized_start=1788
+  _globals['_HEARTBEATREQUEST']._serialized_end=1896
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1899
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2054
+  _globals['_PEERQUERYCACHEREQUEST']._serialized_start=2057
+  _globals['_PEERQUERYCACHEREQUEST']._serialized_end=2193
+  _globals['_PEERQUERYCACHERESPONSE']._serialized_start=2195
+  _globals['_PEERQUERYCACHERESPONSE']._serialized_end=2282
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_start=2284
+  _globals['_TRANSFERFAILEDREQUEST']._serialized_end=2410
+  _globals['_TRANSFERFAILEDRESPONSE']._serialized_start=2412
+  _globals['_TRANSFERFAILEDRESPONSE']._serialized_end=2471
+  _globals['_PEERRELEASEREQUEST']._serialized_start=2474
+  _globals['_PEERRELEASEREQUEST']._serialized_end=2644
+  _globals['_PEERRELEASERESPONSE']._serialized_start=2646
+  _globals['_PEERRELEASERESPONSE']._serialized_end=2721
+  _globals['_TRANSFERNOTICE']._serialized_start=2724
+  _globals['_TRANSFERNOTICE']._serialized_end=2887
+  _globals['_PEERSERVICE']._serialized_start=2890
+  _globals['_PEERSERVICE']._serialized_end=3540
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KvDigests(_message.Message):
+    __slots__ = ("first_token", "end_token", "granule_tokens", "values")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GRANULE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    end_token: int
+    granule_tokens: int
+    values: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, first_token: _Optional[int] = ..., end_token: _Optional[int] = ..., granule_tokens: _Optional[int] = ..., values: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetDigestsRequest(_message.Message):
+    __slots__ = ("caller_sidecar_id", "engine_id", "request_id", "transfer_id", "span")
+    CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    caller_sidecar_id: str
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    span: KvDigests
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., span: _Optional[_Union[KvDigests, _Mapping]] = ...) -> None: ...
+
+class GetDigestsResponse(_message.Message):
+    __slots__ = ("sidecar_id", "digests")
+    SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    sidecar_id: str
+    digests: KvDigests
+    def __init__(self, sidecar_id: _Optional[str] = ..., digests: _Optional[_Union[KvDigests, _Mapping]] = ...) -> None: ...
+
 class RemoteRegion(_message.Message):
     __slots__ = ("name", "base_address", "block_len", "block_stride", "group_id", "kind", "device_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -81,7 +115,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., engine: _Optional[_Union[EngineDescriptor, _Mapping]] = ...) -> None: ...
 
 class PushRegRequest(_message.Message):
-    __slots__ = ("caller", "prefill_engine_id", "prefill_request_id", "transfer_id", "decode_engine_id", "request_id", "block_ids", "decode_tp_size", "compatibility_hash", "timeout_seconds", "decode_generation")
+    __slots__ = ("caller", "prefill_engine_id", "prefill_request_id", "transfer_id", "decode_engine_id", "request_id", "block_ids", "decode_tp_size", "compatibility_hash", "timeout_seconds", "decode_generation", "want_digests")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +127,7 @@ class PushRegRequest(_message.Message):
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     caller: _common_pb2.SidecarInfo
     prefill_engine_id: str
     prefill_request_id: str
@@ -104,7 +139,8 @@ class PushRegRequest(_message.Message):
     compatibility_hash: str
     timeout_seconds: float
     decode_generation: str
-    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., decode_generation: _Optional[str] = ...) -> None: ...
+    want_digests: bool
+    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., decode_generation: _Optional[str] = ..., want_digests: _Optional[bool] = ...) -> None: ...
 
 class PushRegResponse(_message.Message):
     __slots__ = ("sidecar_id", "matched")
@@ -221,15 +257,17 @@ class PeerReleaseResponse(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., found: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("engine_id", "request_id", "expected", "sender_sidecar_id", "transfer_id")
+    __slots__ = ("engine_id", "request_id", "expected", "sender_sidecar_id", "transfer_id", "digests")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     SENDER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     expected: int
     sender_sidecar_id: str
     transfer_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., expected: _Optional[int] = ..., sender_sidecar_id: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    digests: KvDigests
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., expected: _Optional[int] = ..., sender_sidecar_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., digests: _Optional[_Union[KvDigests, _Mapping]] = ...) -> None: ...

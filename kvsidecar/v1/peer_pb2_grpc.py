@@ -65,6 +65,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.FromString,
                 _registered_method=True)
+        self.GetDigests = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/GetDigests',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetDigestsRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetDigestsResponse.FromString,
+                _registered_method=True)
         self.Trace = channel.unary_unary(
                 '/kvsidecar.v1.PeerService/Trace',
                 request_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
@@ -120,6 +125,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDigests(self, request, context):
+        """Integrity check, pull mode: digests of a submitted request's logical KV content, computed
+        from the producer engine's memory while its lease holds the blocks. The consumer asks before
+        it READs (the READ's notification lets the producer free the blocks). NOT_FOUND for an
+        unknown request; INVALID_ARGUMENT for a span outside the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Trace(self, request, context):
         """The same as EngineService.Trace, on the peer port: an operator's grpcurl gets the whole path;
         a sidecar asking for its peer's part sets local_only.
@@ -160,6 +175,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.SerializeToString,
+            ),
+            'GetDigests': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDigests,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.GetDigestsRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.GetDigestsResponse.SerializeToString,
             ),
             'Trace': grpc.unary_unary_rpc_method_handler(
                     servicer.Trace,
@@ -329,6 +349,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Release',
             kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseRequest.SerializeToString,
             kvsidecar_dot_v1_dot_peer__pb2.PeerReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDigests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/GetDigests',
+            kvsidecar_dot_v1_dot_peer__pb2.GetDigestsRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.GetDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

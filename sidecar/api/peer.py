@@ -43,6 +43,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     ) -> peer_pb2.PeerReleaseResponse:
         return await self._routes.release(request)
 
+    async def GetDigests(
+        self, request: peer_pb2.GetDigestsRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.GetDigestsResponse:
+        return await self._routes.get_digests(request)
+
     async def Trace(
         self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TraceResponse:

@@ -28,6 +28,7 @@ _SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--shutdown-grace-seconds": ("shutdown_grace_seconds", float, "graceful shutdown budget"),
     "--hold-ttl-seconds": ("hold_ttl_seconds", float, "default hold time of HoldBlocks (multi-turn)"),
     "--hold-max-share": ("hold_max_share", float, "share of an engine's KV blocks its holds may occupy"),
+    "--integrity": ("integrity", str, "off | digest: verify a digest of every received block's content"),
 }
 
 

@@ -41,12 +41,13 @@ from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
+from sidecar.dataplane.integrity import DigestSpan, check_span, digests, first_mismatch
 from sidecar.dataplane.memory import FenceToken, WriteFences
-from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
-from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.plan.blocks import check_block_ids
+from sidecar.dataplane.plan.convert import check_exchange, single_group
 from sidecar.dataplane.plan.descriptors import block_byte_ranges
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
-from sidecar.dataplane.plane import TransferJob
+from sidecar.dataplane.plane import EngineView, LocalWorker, TransferJob
 from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, SidecarError, Unavailable
 from sidecar.logs import get_logger
 from sidecar.peers.addresses import normalize_address
@@ -80,6 +81,7 @@ class ConsumerRequest:
     cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
     cancel_reason: str = ""
     bytes_moved: int = 0
+    digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
     # push: set once the PushReg call returned (or failed); a release waits for it first.
     registration_done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -230,11 +232,8 @@ class ConsumerSide:
             raise InvalidArgument(
                 "remote.block_ids", f"lists {len(remote_blocks)} groups, local_block_ids {len(local)}"
             )
-        for group, (mine, theirs) in enumerate(zip(local, remote_blocks, strict=True)):
-            if len(mine) > len(theirs):
-                raise InvalidArgument(
-                    "local_block_ids", f"group {group} has {len(mine)} blocks but the remote only {len(theirs)}"
-                )
+        # Whether the local blocks fit the remote ones depends on both block sizes; the plan checks
+        # it after the handshake (a mismatch is LOAD_FAILED with the reason).
         timeout = validation.duration(request.timeout_seconds, "timeout_seconds", ctx.settings.transfer_timeout_seconds)
         known = ctx.peers.cached_view(request.remote.address, request.remote.engine_id)
         problem = known.block_ids_problem(remote_blocks) if known is not None else None
@@ -270,6 +269,9 @@ class ConsumerSide:
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
                 self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
+            if isinstance(exc, PlanError):
+                # The producer learns why too (its log names both sides' values) and frees its blocks.
+                ctx.tasks.spawn(self._tell_producer(pending, consumed=False, reason=str(exc)), engines=[])
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
         finally:
             pending.registration_done.set()
@@ -319,6 +321,8 @@ class ConsumerSide:
         if pending is None or not pending.is_push:
             return False
         pending.notices.record(worker.agent_name, notice.expected)
+        if notice.HasField("digests") and pending.digests is None:
+            pending.digests = notice.digests
         self._ctx.trace.event(
             "consumer",
             pending.engine_id,
@@ -330,8 +334,55 @@ class ConsumerSide:
             self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
-            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            if self._checks_integrity(pending):
+                self._ctx.tasks.spawn(self._finish_checked(pending, pending.digests), engines=[pending.engine_id])
+            else:
+                self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
         return True
+
+    # --- pull ---------------------------------------------------------------------------------
+
+    # --- integrity ----------------------------------------------------------------------------
+
+    def _checks_integrity(self, pending: ConsumerRequest) -> bool:
+        """Digests cover one KV cache group; hybrid models' requests move unchecked."""
+        return self._ctx.settings.integrity == "digest" and len(pending.local_blocks) == 1
+
+    async def _finish_checked(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> None:
+        """FINISHED_RECEIVING if the local blocks match the producer's digests, else LOAD_FAILED
+        naming the first block that differs. Runs in a task of the local engine."""
+        problem = await self._check_digests(pending, expected)
+        if self.requests.get(pending.key) is not pending:
+            return  # failed meanwhile (watchdog, release)
+        if problem:
+            self._fail(pending, problem, reason_label="integrity")
+        else:
+            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+
+    async def _check_digests(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> str | None:
+        if expected is None or not expected.values:
+            return "integrity check failed: the producer sent no digests (is its sidecar too old?)"
+        engine = self._ctx.registry.require_engine(pending.engine_id, "engine_id")
+        span = DigestSpan.from_proto(expected)
+        layouts = [worker.layout for worker in engine.ordered_workers()]
+        try:
+            blocks = single_group(pending.local_blocks, "the request")
+            problem = check_span(span, span.first + len(blocks) * layouts[0].block_size)
+            if problem:
+                return f"integrity check failed: the producer's digests cover {problem}"
+            mine = await asyncio.to_thread(digests, layouts, blocks, span.first, span)
+        except (PlanError, IndexError, ValueError) as exc:
+            return f"integrity check could not run: {exc}"
+        bad = first_mismatch(mine, list(expected.values))
+        if bad is None:
+            return None
+        token = span.first + bad * span.granule
+        block = blocks[(token - span.first) // layouts[0].block_size]
+        last = min(token + span.granule, span.end) - 1
+        return (
+            f"integrity check failed: block {block} (tokens {token}..{last}) does not match the producer's "
+            f"digest ({len(mine)} digests of {span.granule} tokens compared)"
+        )
 
     # --- pull ---------------------------------------------------------------------------------
 
@@ -363,6 +414,7 @@ class ConsumerSide:
                 )
                 if self.requests.get(pending.key) is not pending:
                     return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
+            expected = None
             for attempt in (1, 2):
                 view = await asyncio.wait_for(
                     ctx.trace.timed(
@@ -379,8 +431,12 @@ class ConsumerSide:
                 if problem:
                     raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
                 local = engine.local_workers()
-                ctx.dataplane.check(local, engine.tp_size, view)
-                source = trim_to_tail(remote_blocks, pending.local_blocks)
+                ctx.dataplane.check(
+                    local, engine.tp_size, view, (f"on consumer {engine.engine_id}", f"on producer {view.engine_id}")
+                )
+                if self._checks_integrity(pending):
+                    # Before the READ: its notification lets the producer free the blocks.
+                    expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
                 if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
                     await self._confirm_held(pending)  # the handshake took most of the window
                     if self.requests.get(pending.key) is not pending:
@@ -396,10 +452,11 @@ class ConsumerSide:
                         initiator_tp=engine.tp_size,
                         target=view,
                         initiator_blocks=pending.local_blocks,
-                        target_blocks=source,
+                        target_blocks=remote_blocks,
                         target_request_id=pending.remote.request_id,
                         transfer_id=pending.transfer_id,
                         timeout=window,
+                        num_tokens=pending.remote.num_tokens,
                         on_step=ctx.trace.hook("consumer", pending.engine_id, pending.request_id),
                     )
                 )
@@ -438,12 +495,39 @@ class ConsumerSide:
             ctx.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
             )
-            self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
+            if expected is not None:
+                await self._finish_checked(pending, expected)
+            else:
+                self._finish(pending, engine_pb2.Event(kind=engine_pb2.FINISHED_RECEIVING))
             return
         if outcome.peer_gone:
             await ctx.peers.forget(address, "transfer from it failed")
         self._fail(pending, f"READ failed: {outcome.error}", reason_label="transfer")
         await self._tell_producer(pending, consumed=False, reason=outcome.error)
+
+    async def _producer_digests(
+        self,
+        pending: ConsumerRequest,
+        local: list[LocalWorker],
+        tp_size: int,
+        view: EngineView,
+        remote_blocks: BlockIds,
+    ) -> peer_pb2.KvDigests:
+        ctx = self._ctx
+        span = ctx.dataplane.digest_span(
+            "READ", local, tp_size, view, pending.local_blocks, remote_blocks, pending.remote.num_tokens
+        )
+        response = await ctx.peers.get_digests(
+            pending.remote.address,
+            peer_pb2.GetDigestsRequest(
+                caller_sidecar_id=ctx.identity.sidecar_id,
+                engine_id=pending.remote.engine_id,
+                request_id=pending.remote.request_id,
+                transfer_id=pending.transfer_id,
+                span=span.to_proto(),
+            ),
+        )
+        return response.digests
 
     # --- push ---------------------------------------------------------------------------------
 
@@ -459,8 +543,12 @@ class ConsumerSide:
             ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
         )
         # The producer will initiate; check the pairing from its side.
-        check_compatible(
-            [w.layout for w in view.workers], view.tp_size, [w.layout for w in engine.ordered_workers()], engine.tp_size
+        check_exchange(
+            [w.layout for w in view.workers],
+            view.tp_size,
+            [w.layout for w in engine.ordered_workers()],
+            engine.tp_size,
+            (f"on producer {view.engine_id}", f"on consumer {engine.engine_id}"),
         )
         if pending.remote.tp_size and pending.remote.tp_size != view.tp_size:
             raise FailedPrecondition(
@@ -480,6 +568,7 @@ class ConsumerSide:
                 compatibility_hash=engine.compatibility_hash,
                 timeout_seconds=timeout,
                 decode_generation=engine.generation,
+                want_digests=self._checks_integrity(pending),
             ),
         )
         pending.registered = True

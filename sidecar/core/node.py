@@ -73,7 +73,7 @@ class Node:
             identity=self.identity,
             registry=self.registry,
             peers=self.peers,
-            dataplane=DataPlane(self.transport, self.identity.sidecar_id),
+            dataplane=DataPlane(self.transport, self.identity.sidecar_id, settings.staging_below_bytes),
             transport=self.transport,
             metrics=self.metrics,
             events=self.events,
@@ -99,6 +99,7 @@ class Node:
             query_cache=self.holds.handle_query_cache,
             transfer_failed=self.consumer.handle_transfer_failed,
             release=self.producer.handle_release,
+            get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
             local_engine_view=self.handshakes.local_engine_view,
         )

@@ -29,6 +29,7 @@ Runs on the event loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -42,7 +43,9 @@ from sidecar.core.matching import PushMatcher, Registration, Submission, base_re
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
-from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids, trim_to_tail
+from sidecar.dataplane.integrity import DigestSpan, check_span, digests
+from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
+from sidecar.dataplane.plan.convert import single_group
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import TransferJob
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, SidecarError
@@ -344,6 +347,31 @@ class ProducerSide:
         self._update_gauges()
         return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=True)
 
+    async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
+        """Integrity, pull: digests of a held request's span, hashed from the engine's memory in a
+        worker thread (a task of the engine, so the worker's memory outlives it)."""
+        ctx = self._ctx
+        validation.identifier(request.engine_id, "engine_id")
+        validation.identifier(request.request_id, "request_id", required=False)
+        validation.identifier(request.transfer_id, "transfer_id", required=False)
+        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
+        if pending is None or not pending.accepts_pull or pending.closing is not None:
+            raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
+        engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
+        span = DigestSpan.from_proto(request.span)
+        layout = engine.ordered_workers()[0].layout
+        problem = check_span(span, len(single_group(pending.block_ids, "the request")) * layout.block_size)
+        if problem:
+            raise InvalidArgument("span", problem)
+        values = await self._digest(pending, engine, span)
+        return peer_pb2.GetDigestsResponse(sidecar_id=ctx.identity.sidecar_id, digests=span.to_proto(values))
+
+    async def _digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
+        layouts = [worker.layout for worker in engine.ordered_workers()]
+        blocks = single_group(pending.block_ids, "the request")
+        work = asyncio.to_thread(digests, layouts, blocks, 0, span)
+        return await self._ctx.tasks.spawn(work, engines=[pending.engine_id])
+
     async def handle_heartbeat(self, request: peer_pb2.HeartbeatRequest) -> peer_pb2.HeartbeatResponse:
         ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
@@ -400,6 +428,16 @@ class ProducerSide:
         """A consumer is done with a request (consumed it, or gave up on it)."""
         ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
+        if not request.consumed:
+            # The consumer gave up (e.g. it found the engines incompatible): say why here too.
+            log.warning(
+                "consumer_released",
+                engine_id=request.engine_id,
+                request_id=request.request_id,
+                consumer_request_id=request.consumer_request_id,
+                peer=request.caller_sidecar_id,
+                reason=request.reason,
+            )
         # A push registration still waiting for its blocks: drop it.
         registration = self.matcher.find_registration_for(
             request.engine_id, request.transfer_id, request.consumer_request_id
@@ -489,11 +527,12 @@ class ProducerSide:
                 ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash),
             )
             local = engine.local_workers()
-            ctx.dataplane.check(local, engine.tp_size, view)
+            ctx.dataplane.check(
+                local, engine.tp_size, view, (f"on producer {engine.engine_id}", f"on consumer {view.engine_id}")
+            )
             problem = view.block_ids_problem(blocks)
             if problem:
                 raise InvalidArgument("block_ids", f"{problem} (engine {view.engine_id} of {address})")
-            source = trim_to_tail(pending.block_ids, blocks)
             if not any(blocks):
                 # The consumer had every block already (a full prefix hit): nothing to write.
                 self._pushing.pop(registration.key, None)
@@ -501,18 +540,26 @@ class ProducerSide:
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
                 return
             not_after = self.leases.deadline(pending.key)
+            signed = None
+            if request.want_digests:
+                span = ctx.dataplane.digest_span(
+                    "WRITE", local, engine.tp_size, view, pending.block_ids, blocks, pending.num_tokens
+                )
+                signed = span.to_proto(await self._digest(pending, engine, span))
             outcome = await ctx.dataplane.run(
                 TransferJob(
                     op="WRITE",
                     initiator=local,
                     initiator_tp=engine.tp_size,
                     target=view,
-                    initiator_blocks=source,
+                    initiator_blocks=pending.block_ids,
                     target_blocks=blocks,
                     target_request_id=request.request_id,
                     transfer_id=request.transfer_id or pending.transfer_id,
                     timeout=ctx.settings.transfer_timeout_seconds,
                     not_after=not_after,
+                    num_tokens=pending.num_tokens,
+                    digests=signed,
                     on_step=ctx.trace.hook("producer", pending.engine_id, pending.request_id),
                 )
             )

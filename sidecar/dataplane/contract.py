@@ -76,6 +76,36 @@ class TransferSpec:
     not_after: float | None = None
 
 
+@dataclass(frozen=True)
+class RunsSpec:
+    """A READ or WRITE over explicit Nx3 (address, length, device) descriptor arrays: row i of
+    ``local`` moves to or from row i of ``remote_descs`` (a converting plan's runs)."""
+
+    agent_name: str
+    op: str  # "READ" | "WRITE"
+    remote: RemoteAgent
+    local: np.ndarray
+    local_mem: str
+    remote_descs: np.ndarray
+    remote_mem: str
+    notification: bytes
+    deadline: float
+    not_after: float | None = None
+
+
+@dataclass(eq=False)
+class Staging:
+    """A transport-owned buffer registered with one agent, for transfers that convert layouts
+    through a copy; lent by ``Transport.staging`` and given back with ``unstage``."""
+
+    array: np.ndarray
+    busy: bool = False
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+
 class Transport(Protocol):
     """The node's transport: agents per local worker, one-sided transfers with notifications."""
 
@@ -100,6 +130,15 @@ class Transport(Protocol):
 
     async def transfer(self, spec: TransferSpec) -> TransferResult:
         """Post one transfer and wait for its end; never raises for transfer failures."""
+
+    async def transfer_runs(self, spec: RunsSpec) -> TransferResult:
+        """Post one transfer over explicit descriptors and wait for its end; never raises."""
+
+    async def staging(self, agent_name: str, nbytes: int) -> Staging:
+        """Lend a buffer of at least ``nbytes`` registered with ``agent_name``."""
+
+    def unstage(self, staging: Staging) -> None:
+        """Give a staging buffer back (no transfer on it may still run)."""
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None: ...
 

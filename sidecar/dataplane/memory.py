@@ -42,6 +42,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
 _PROT_NONE = 0
@@ -58,6 +60,14 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def region_bytes(base: int, block_len: int, block_stride: int, num_blocks: int) -> np.ndarray:
+    """A writable uint8 array over a DRAM region mapped here (no copy), from block 0 to the end of
+    the last block. For the data plane's staging copies and integrity digests; the caller keeps
+    the worker registered (a task spawned for its engine) while it uses the array."""
+    length = (num_blocks - 1) * block_stride + block_len
+    return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(base))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,17 @@ same node), through the NIXL transport.
 An ``EngineView`` describes the other engine uniformly, whether it came from a peer's handshake
 or from this sidecar's own registry: its workers' layouts (addresses in the address space of the
 sidecar that serves it) and their NIXL agents. Called on the event loop thread.
+
+Two paths:
+- *byte for byte* (same tokens per block and layout; head slices for different TP sizes): whole
+  blocks through views NIXL prepared once (``planning``);
+- *converted* (block size, layout, or TP with a token-major layout differ): per (initiator,
+  target) worker pair, a token-level plan (``plan.convert``). Where its descriptor runs are long
+  enough, NIXL moves them directly; where they are short (a layout change makes one descriptor per
+  token and head) the initiator moves whole blocks between the peer and a registered staging
+  buffer in the peer's layout and permutes locally with numpy, in a worker thread: READ into
+  staging then scatter into the local blocks (pull), or gather into staging then WRITE (push). No
+  conversion runs in an engine.
 """
 
 from __future__ import annotations
@@ -11,14 +22,37 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvsidecar.v1 import common_pb2, peer_pb2
-from sidecar.dataplane.contract import DlistSpec, RemoteAgent, TransferResult, TransferSpec, Transport
-from sidecar.dataplane.plan.blocks import check_block_ids
-from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.contract import (
+    DlistSpec,
+    RemoteAgent,
+    RunsSpec,
+    Staging,
+    TransferResult,
+    TransferSpec,
+    Transport,
+)
+from sidecar.dataplane.integrity import DigestSpan
+from sidecar.dataplane.integrity import granule as digest_granule
+from sidecar.dataplane.memory import region_bytes
+from sidecar.dataplane.plan.blocks import check_block_ids, trim_to_tail
+from sidecar.dataplane.plan.convert import (
+    BlockShape,
+    Side,
+    block_shape,
+    check_exchange,
+    copy_tokens,
+    needs_conversion,
+    predicted_run_bytes,
+    run_descriptors,
+    shared_heads,
+    single_group,
+    transfer_span,
+)
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
@@ -90,6 +124,8 @@ def worker_layout(
         total_num_kv_heads=geometry.total_num_kv_heads,
         is_mla=geometry.is_mla,
         device_id=device_id,
+        head_size=geometry.head_size,
+        dtype=geometry.dtype,
     )
 
 
@@ -152,7 +188,11 @@ class TransferJob:
     group) between the local ``initiator`` workers and the ``target`` engine with ``op``, each
     transfer notifying ``target_request_id`` on the target side.
 
-    ``timeout`` bounds every transfer; ``not_after`` (monotonic) refuses to post after it."""
+    ``timeout`` bounds every transfer; ``not_after`` (monotonic) refuses to post after it. The
+    source's blocks (the target's in a READ, the initiator's in a WRITE) hold the request from
+    token 0; the destination's may be fewer (a prefix-cache hit): then only the source's tail
+    moves. ``num_tokens`` (the request's token count, 0 if unknown) aligns the two when their
+    block sizes differ; ``digests`` (integrity) travel in every notification."""
 
     op: str  # "READ" (pull: the consumer initiates) | "WRITE" (push: the producer initiates)
     initiator: list[LocalWorker]
@@ -166,20 +206,48 @@ class TransferJob:
     not_after: float | None = None
     # Told of each post and each completion, as (kind, detail): the request's trace.
     on_step: Callable[[str, str], None] = _ignore
+    num_tokens: int = 0
+    digests: peer_pb2.KvDigests | None = None
+
+
+# Converted transfers whose descriptor runs average fewer bytes than this go through a staging
+# buffer (bench/README.md: per-descriptor cost makes short runs slower than a local permutation).
+STAGING_BELOW_BYTES = 16384
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens [first, end) of a converted transfer, and where each side's block list starts."""
+
+    first: int
+    end: int
+    initiator_first: int
+    target_first: int
 
 
 class DataPlane:
     """Plans and posts one request's transfers between a local engine and an ``EngineView``."""
 
-    def __init__(self, transport: Transport, sidecar_id: str) -> None:
+    def __init__(self, transport: Transport, sidecar_id: str, staging_below_bytes: int = STAGING_BELOW_BYTES) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
+        self.staging_below_bytes = staging_below_bytes
 
     @staticmethod
-    def check(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> None:
-        check_compatible(
-            [w.layout for w in initiator], initiator_tp, [w.layout for w in target.workers], target.tp_size
-        )
+    def converts(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> bool:
+        if not initiator or not target.workers:
+            return False
+        return needs_conversion(initiator[0].layout, initiator_tp, target.workers[0].layout, target.tp_size)
+
+    @staticmethod
+    def check(
+        initiator: list[LocalWorker], initiator_tp: int, target: EngineView, names: tuple[str, str] = ("here", "")
+    ) -> None:
+        """Raise PlanError unless KV can move between the engines; the message names both sides'
+        values, each followed by its side's name in ``names`` (local, then the target's engine)."""
+        names = (names[0], names[1] or f"on {target.engine_id}")
+        mine, theirs = [w.layout for w in initiator], [w.layout for w in target.workers]
+        check_exchange(mine, initiator_tp, theirs, target.tp_size, names)
 
     async def run(self, job: TransferJob) -> TransferOutcome:
         """Post every transfer of ``job`` (per initiator worker and TP pairing) and wait for all."""
@@ -187,16 +255,35 @@ class DataPlane:
         target = job.target
         is_mla = target.is_mla
         jobs = []
+        converted = self.converts(job.initiator, job.initiator_tp, target)
+        if converted:
+            span = self._span(job.op, job.initiator, target, job.initiator_blocks, job.target_blocks, job.num_tokens)
+        elif job.op == "READ":
+            job = replace(job, target_blocks=trim_to_tail(job.target_blocks, job.initiator_blocks))
+        else:
+            job = replace(job, initiator_blocks=trim_to_tail(job.initiator_blocks, job.target_blocks))
         for worker in job.initiator:
-            local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
             for pairing in pairings(job.initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
-                jobs.append(self._post(job, worker, other, pairing, local_ids, deadline))
+                payload = self.notice(
+                    target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank, job.digests
+                )
+                if converted:
+                    local = Side(
+                        worker.layout, single_group(job.initiator_blocks, "the local engine"), span.initiator_first
+                    )
+                    remote = Side(other.layout, single_group(job.target_blocks, "the peer"), span.target_first)
+                    jobs.append(self._traced_converted(job, worker, other, local, remote, span, payload, deadline))
+                else:
+                    local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
+                    jobs.append(self._post(job, worker, other, pairing, local_ids, payload, deadline))
         for rank in unpaired_targets(job.initiator_tp, target.tp_size, is_mla):
             for worker in job.initiator:
                 if worker.layout.tp_rank == 0:
                     other = target.worker(rank, worker.layout.pp_rank)
-                    payload = self.notice(target, job.target_request_id, job.transfer_id, job.initiator_tp, rank)
+                    payload = self.notice(
+                        target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests
+                    )
                     jobs.append(self._notify_only(worker, other, payload))
         results = list(await asyncio.gather(*jobs))
         failed = [result for result in results if not result.ok]
@@ -210,7 +297,13 @@ class DataPlane:
         )
 
     def notice(
-        self, target: EngineView, request_id: str, transfer_id: str, initiator_tp: int, target_rank: int
+        self,
+        target: EngineView,
+        request_id: str,
+        transfer_id: str,
+        initiator_tp: int,
+        target_rank: int,
+        digests: peer_pb2.KvDigests | None = None,
     ) -> bytes:
         return peer_pb2.TransferNotice(
             engine_id=target.engine_id,
@@ -218,7 +311,176 @@ class DataPlane:
             expected=expected_notifications(initiator_tp, target.tp_size, target_rank, target.is_mla),
             sender_sidecar_id=self._sidecar_id,
             transfer_id=transfer_id,
+            digests=digests,
         ).SerializeToString()
+
+    def digest_span(
+        self,
+        op: str,
+        initiator: list[LocalWorker],
+        initiator_tp: int,
+        target: EngineView,
+        initiator_blocks: BlockIds,
+        target_blocks: BlockIds,
+        num_tokens: int,
+    ) -> DigestSpan:
+        """The tokens a transfer moves, for integrity digests (same arguments as ``run``)."""
+        mine, theirs = initiator[0].layout, target.workers[0].layout
+        if self.converts(initiator, initiator_tp, target):
+            span = self._span(op, initiator, target, initiator_blocks, target_blocks, num_tokens)
+            return DigestSpan(span.first, span.end, digest_granule(mine, theirs))
+        local = single_group(initiator_blocks, "the local engine")
+        remote = single_group(target_blocks, "the peer")
+        source, dest = (remote, local) if op == "READ" else (local, remote)
+        capacity = len(source) * mine.block_size
+        first = (len(source) - len(dest)) * mine.block_size
+        end = num_tokens if first < num_tokens <= capacity else capacity
+        return DigestSpan(first, end, digest_granule(mine, theirs))
+
+    @staticmethod
+    def _span(
+        op: str,
+        initiator: list[LocalWorker],
+        target: EngineView,
+        initiator_blocks: BlockIds,
+        target_blocks: BlockIds,
+        num_tokens: int,
+    ) -> Span:
+        mine, theirs = initiator[0].layout, target.workers[0].layout
+        local = single_group(initiator_blocks, "the local engine")
+        remote = single_group(target_blocks, "the peer")
+        if op == "READ":
+            first, end = transfer_span(num_tokens, len(remote), theirs.block_size, len(local), mine.block_size)
+            return Span(first, end, first, 0)
+        first, end = transfer_span(num_tokens, len(local), mine.block_size, len(remote), theirs.block_size)
+        return Span(first, end, 0, first)
+
+    async def _traced_converted(
+        self,
+        job: TransferJob,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+    ) -> TransferResult:
+        job.on_step(
+            "posted",
+            f"{job.op} {worker.agent_name} -> {other.agent.name} (converted, tokens {span.first}..{span.end - 1})",
+        )
+        result = await self._post_converted(
+            job.op, worker, other, local, remote, span, payload, deadline, job.not_after
+        )
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result))
+        return result
+
+    async def _post_converted(
+        self,
+        op: str,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+        not_after: float | None,
+    ) -> TransferResult:
+        source, dest = (remote, local) if op == "READ" else (local, remote)
+        shapes = [block_shape(side.worker, side.worker.regions[0]) for side in (source, dest)]
+        if worker.mem_type == "DRAM" and predicted_run_bytes(*shapes) < self.staging_below_bytes:
+            try:
+                return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
+            except (PlanError, ValueError, IndexError) as exc:  # a plan or a copy that does not fit
+                return TransferResult(False, f"conversion failed: {exc}")
+        src, dst = run_descriptors(source, dest, span.first, span.end)
+        if not len(src):
+            return await self._notify_only(worker, other, payload)
+        mine, theirs = (dst, src) if op == "READ" else (src, dst)
+        return await self._transport.transfer_runs(
+            RunsSpec(
+                worker.agent_name, op, other.agent, mine, worker.mem_type, theirs, other.mem_type, payload, deadline,
+                not_after,
+            )
+        )  # fmt: skip
+
+    async def _staged(
+        self,
+        op: str,
+        worker: LocalWorker,
+        other: WorkerView,
+        local: Side,
+        remote: Side,
+        span: Span,
+        payload: bytes,
+        deadline: float,
+        not_after: float | None,
+    ) -> TransferResult:
+        """Move whole blocks between the peer and a staging buffer in the peer's layout and block
+        size (restricted to the heads both workers hold); permute locally. Pipelined by groups of
+        layers: NIXL moves one group while numpy permutes the next (push) or the previous (pull),
+        each transfer without a notification; the notification follows once every transfer is
+        DONE, so the peer never learns of data still in flight."""
+        region = remote.worker.regions[0]
+        shape = block_shape(remote.worker, region)
+        head_first, head_end = shared_heads(block_shape(local.worker, local.worker.regions[0]), shape)
+        heads = head_end - head_first
+        first_block = (span.first - remote.first_token) // shape.tokens
+        count = -(-(span.end - remote.first_token) // shape.tokens) - first_block
+        staged_block = shape.tokens * heads * shape.chunk
+        regions = remote.worker.regions
+        staging = await self._transport.staging(worker.agent_name, staged_block * count * len(regions))
+        results: list[TransferResult] = []
+        in_flight: list[asyncio.Future[TransferResult]] = []
+        try:
+            mirror = _staging_side(staging, remote, shape, heads, head_first, first_block, count)
+            source, dest = (remote, mirror) if op == "READ" else (mirror, remote)
+
+            def post(group: range) -> None:
+                src, dst = run_descriptors(_part(source, group), _part(dest, group), span.first, span.end)
+                mine, theirs = (dst, src) if op == "READ" else (src, dst)
+                spec = RunsSpec(
+                    worker.agent_name, op, other.agent, mine, "DRAM", theirs, other.mem_type, b"", deadline, not_after
+                )
+                in_flight.append(asyncio.ensure_future(self._transport.transfer_runs(spec)))
+
+            async def permute(group: range) -> None:
+                into, out = _part(local, group), _part(mirror, group)
+                if op == "READ":
+                    into, out = out, into
+                await asyncio.to_thread(_permute, into, out, span, head_first, heads)
+
+            groups = _groups(len(regions), staged_block * count)
+            if op == "WRITE":
+                for group in groups:
+                    await permute(group)
+                    post(group)
+            else:
+                post(groups[0])
+                for index, group in enumerate(groups):
+                    results.append(await in_flight.pop(0))
+                    if not results[-1].ok:
+                        break
+                    if index + 1 < len(groups):
+                        post(groups[index + 1])
+                    await permute(group)
+        finally:
+            # Never hand the staging buffer back while a transfer on it may run.
+            results += await asyncio.gather(*in_flight)
+            self._transport.unstage(staging)
+        failed = [result for result in results if not result.ok]
+        if failed:
+            return failed[0]
+        notified = await self._notify_only(worker, other, payload)
+        return TransferResult(
+            notified.ok,
+            notified.error,
+            bytes=sum(result.bytes for result in results),
+            descriptors=sum(result.descriptors for result in results),
+            duration_s=sum(result.duration_s for result in results),
+        )
 
     async def _post(
         self,
@@ -227,10 +489,10 @@ class DataPlane:
         other: WorkerView,
         pairing: Pairing,
         local_ids: np.ndarray,
+        payload: bytes,
         deadline: float,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
-        payload = self.notice(job.target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank)
         job.on_step(
             "posted", f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
         )
@@ -272,3 +534,54 @@ def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:
     return DlistSpec(
         key=("view", view.index, view.count), build=lambda: view_descriptors(layout, view), mem_type=mem_type
     )
+
+
+def _staging_side(
+    staging: Staging, remote: Side, shape: BlockShape, heads: int, head_first: int, first_block: int, count: int
+) -> Side:
+    """A worker laid out like ``remote`` (same layout and tokens per block) holding only the
+    shared heads, whose ``count`` blocks, region after region, are the staging buffer and stand
+    for the remote's physical blocks from ``first_block`` on."""
+    block_len = shape.tokens * heads * shape.chunk
+    regions = tuple(
+        replace(region, base=staging.address + index * count * block_len, block_len=block_len, block_stride=block_len)
+        for index, region in enumerate(remote.worker.regions)
+    )
+    mirror = replace(
+        remote.worker,
+        regions=regions,
+        num_blocks=count,
+        physical_per_logical=1,
+        block_size=shape.tokens,
+        num_kv_heads=heads,
+        tp_rank=head_first // heads,  # block_shape's first head is tp_rank * heads
+        device_id=0,
+    )
+    return Side(mirror, range(count), remote.first_token + first_block * shape.tokens)
+
+
+def _groups(regions: int, region_bytes: int) -> list[range]:
+    """Groups of consecutive regions for a pipelined staged transfer: about four, none smaller
+    than 1 MiB (below that the per-transfer cost outweighs the overlap)."""
+    count = max(1, min(4, regions, regions * region_bytes // (1 << 20)))
+    bounds = [regions * index // count for index in range(count + 1)]
+    return [range(bounds[index], bounds[index + 1]) for index in range(count)]
+
+
+def _part(side: Side, group: range) -> Side:
+    """``side`` restricted to the regions in ``group``."""
+    return replace(side, worker=replace(side.worker, regions=side.worker.regions[group.start : group.stop]))
+
+
+def _permute(source: Side, dest: Side, span: Span, head_first: int, heads: int) -> None:
+    """Copy tokens [first, end) of heads [head_first, +heads) from ``source`` to ``dest``, both
+    in this sidecar's memory, region by region (runs in a worker thread; numpy drops the GIL)."""
+    for src_region, dst_region in zip(source.worker.regions, dest.worker.regions, strict=True):
+        copy_tokens(
+            source, _memory(source.worker, src_region), src_region, dest, _memory(dest.worker, dst_region), dst_region,
+            span.first, span.end, head_first, heads,
+        )  # fmt: skip
+
+
+def _memory(worker: WorkerLayout, region: RegionLayout) -> np.ndarray:
+    return region_bytes(region.base, region.block_len, region.block_stride, worker.num_blocks)

@@ -27,8 +27,9 @@ deadline is reported as failed (it may have finished after the other side gave u
 process was stopped mid-transfer and resumed), and each poll cancels overdue transfers before it
 drives any progress, so a resumed process does not progress them further.
 
-Why ~510 lines: every NIXL object must live on this one thread, so the owner loop, its polling
-and every command body stay together; the values that cross it are in ``contract``.
+Why ~600 lines: every NIXL object must live on this one thread, so the owner loop, its polling
+and every command body (converting plans' explicit-descriptor transfers and staging pool
+included) stay together; the values that cross it are in ``contract``.
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sidecar.config import NixlSettings
 from sidecar.dataplane.contract import (
     DlistSpec,
     NotificationsCallback,
     RemoteAgent,
+    RunsSpec,
+    Staging,
     TransferResult,
     TransferSpec,
     XferDoneCallback,
@@ -111,6 +116,7 @@ class _Agent:
     registrations: list[Any] = field(default_factory=list)
     dlists: dict[tuple[str, Hashable], Any] = field(default_factory=dict)
     remotes: dict[str, bytes] = field(default_factory=dict)
+    staging: list[Staging] = field(default_factory=list)
 
 
 @dataclass
@@ -195,6 +201,23 @@ class NixlTransport:
         future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
         self._commands.put((self._post, (spec, future), future))
         return await asyncio.wrap_future(future)
+
+    async def transfer_runs(self, spec: RunsSpec) -> TransferResult:
+        """Like ``transfer`` with explicit descriptor arrays, prepared for this transfer only: for
+        plans that change block size or layout, which are not a selection of a prepared view."""
+        future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
+        self._commands.put((self._post_runs, (spec, future), future))
+        return await asyncio.wrap_future(future)
+
+    async def staging(self, agent_name: str, nbytes: int) -> Staging:
+        """Lend a registered staging buffer of at least ``nbytes`` (pooled per agent; sizes are
+        rounded up to a power of two so the pool stays small). Give it back with ``unstage``."""
+        result: Staging = await self._call(self._lend_staging, agent_name, nbytes)
+        return result
+
+    def unstage(self, staging: Staging) -> None:
+        """Give a staging buffer back; only once no transfer on it can still be in flight."""
+        self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -404,6 +427,7 @@ class NixlTransport:
         for registration in state.registrations:
             _quietly(state.agent.deregister_memory, registration)
         state.registrations.clear()
+        state.staging.clear()  # deregistered above with the other registrations
         # The agent object is dropped here, on the owner thread, so its destructor runs here too.
         del state
 
@@ -463,7 +487,45 @@ class NixlTransport:
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
-        xfer = _InFlight(agent_name, handle, op, spec.deadline, future, now)
+        return self._launch(state, agent_name, op, handle, spec.deadline, future, now)
+
+    def _post_runs(self, spec: RunsSpec, future: concurrent.futures.Future[TransferResult]) -> object:
+        """Post a transfer over explicit descriptor arrays (prepared for this transfer only)."""
+        now = time.monotonic()
+        if spec.not_after is not None and now > spec.not_after:
+            self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
+            return _DEFERRED
+        state = self._agents.get(spec.agent_name)
+        if state is None:
+            self._complete(future, TransferResult(False, f"local agent {spec.agent_name} is gone"))
+            return _DEFERRED
+        try:
+            self._ensure_remote(state, spec.remote)
+            handle = state.agent.initialize_xfer(
+                spec.op,
+                state.agent.get_xfer_descs(spec.local, spec.local_mem),
+                state.agent.get_xfer_descs(spec.remote_descs, spec.remote_mem),
+                spec.remote.name,
+                notif_msg=spec.notification,
+            )
+        except Exception as exc:
+            self._complete(
+                future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
+            )
+            return _DEFERRED
+        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now)
+
+    def _launch(
+        self,
+        state: _Agent,
+        agent_name: str,
+        op: str,
+        handle: Any,
+        deadline: float,
+        future: concurrent.futures.Future[TransferResult],
+        now: float,
+    ) -> object:
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
@@ -492,6 +554,26 @@ class NixlTransport:
             raise ValueError(f"local agent {agent_name} is gone")
         self._ensure_remote(state, remote)
         state.agent.send_notif(remote.name, payload)
+
+    def _lend_staging(self, agent_name: str, nbytes: int) -> Staging:
+        state = self._agents.get(agent_name)
+        if state is None:
+            raise ValueError(f"local agent {agent_name} is gone")
+        for staging in state.staging:
+            if not staging.busy and staging.array.size >= nbytes:
+                staging.busy = True
+                return staging
+        size = max(1 << 20, 1 << (max(nbytes, 1) - 1).bit_length())
+        array = np.zeros(size, dtype=np.uint8)
+        array[::4096] = 1  # fault every page in now, not during the first transfer
+        state.registrations.append(state.agent.register_memory([(int(array.ctypes.data), size, 0, "")], "DRAM"))
+        staging = Staging(array, busy=True)
+        state.staging.append(staging)
+        return staging
+
+    @staticmethod
+    def _return_staging(staging: Staging) -> None:
+        staging.busy = False
 
     def _adjust_expecting(self, delta: int) -> None:
         self._expecting = max(0, self._expecting + delta)

@@ -253,6 +253,12 @@ class PeerClient:
         response = await self._call(address, request, lambda r: r.release, lambda s: s.Release, wait_for_ready)
         return cast(peer_pb2.PeerReleaseResponse, response)
 
+    async def get_digests(
+        self, address: str, request: peer_pb2.GetDigestsRequest, wait_for_ready: bool = True
+    ) -> peer_pb2.GetDigestsResponse:
+        response = await self._call(address, request, lambda r: r.get_digests, lambda s: s.GetDigests, wait_for_ready)
+        return cast(peer_pb2.GetDigestsResponse, response)
+
     async def trace(self, address: str, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
         response = await self._call(address, request, lambda r: r.trace, lambda s: s.Trace)
         return cast(common_pb2.TraceResponse, response)

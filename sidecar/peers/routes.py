@@ -1,8 +1,8 @@
 """The one routing table of PeerService: which object of the node answers each peer call.
 
 The node fills it with the owners' bound methods (handshake -> ``core.handshake``, PushReg,
-Heartbeat, QueryCache and Release -> the producer, TransferFailed -> the consumer, Trace ->
-``core.trace``); the PeerService servicer (``api.peer``) and the peer client's same-node short cut
+Heartbeat, QueryCache, Release and GetDigests -> the producer, TransferFailed -> the consumer,
+Trace -> ``core.trace``); the PeerService servicer (``api.peer``) and the peer client's same-node short cut
 (``peers.client``) both call through it, so a call to this sidecar's own address never leaves the
 process and is answered by the same code as one from the network.
 """
@@ -24,6 +24,7 @@ class PeerRoutes:
     query_cache: Callable[[peer_pb2.PeerQueryCacheRequest], Awaitable[peer_pb2.PeerQueryCacheResponse]]
     transfer_failed: Callable[[peer_pb2.TransferFailedRequest], Awaitable[peer_pb2.TransferFailedResponse]]
     release: Callable[[peer_pb2.PeerReleaseRequest], Awaitable[peer_pb2.PeerReleaseResponse]]
+    get_digests: Callable[[peer_pb2.GetDigestsRequest], Awaitable[peer_pb2.GetDigestsResponse]]
     trace: Callable[[common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]
     # A local engine as the other side of a same-node transfer (read from the registry each time).
     local_engine_view: Callable[[str, str], EngineView]

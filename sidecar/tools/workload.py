@@ -42,9 +42,11 @@ class TransferPair:
         sidecar_args: Sequence[str] = (),
         workdir: Path | None = None,
         request_timeout: float = 60.0,
+        consumer_layout: KvLayout | None = None,
         make_daemon: Callable[[str], DaemonProcess] | None = None,
     ) -> None:
         self.layout = layout
+        self.consumer_layout = consumer_layout or layout  # another block size or KV layout: converted
         self.same_node = same_node
         self.request_timeout = request_timeout
         self._own_workdir = workdir is None
@@ -81,7 +83,7 @@ class TransferPair:
             self.daemons.append(d_daemon)
         self.producer = SimulatedEngine(p_daemon.socket, "bench-P", "producer", self.layout)
         self.producer.start(on_event=self._route)
-        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", "consumer", self.layout)
+        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", "consumer", self.consumer_layout)
         self.consumer.start(on_event=self._route)
 
     def close(self) -> None:
@@ -133,22 +135,24 @@ class TransferPair:
             raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
         return latency
 
-    def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
-        """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
+    def pull(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
+        """Producer submits, consumer pulls; returns seconds from SubmitBlocks to FINISHED_RECEIVING.
+        ``num_tokens`` is required when the engines' block sizes differ."""
         assert self.producer is not None and self.consumer is not None
         request_id = f"pull-{next(self._ids)}"
         received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
         started = time.perf_counter()
         self.producer.client.submit_blocks(
-            self.producer.engine_id, request_id, [list(p_blocks)], mode=common_pb2.TRANSFER_MODE_PULL
-        )
+            self.producer.engine_id, request_id, [list(p_blocks)], num_tokens=num_tokens,
+            mode=common_pb2.TRANSFER_MODE_PULL,
+        )  # fmt: skip
         self.consumer.client.pull(
             self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
-            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)]),
+            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)], 0, num_tokens),
         )  # fmt: skip
         return self._finish(request_id, received, sent, started)
 
-    def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> float:
+    def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
         """Consumer registers, producer submits; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
         assert self.producer is not None and self.consumer is not None
         request_id = f"push-{next(self._ids)}"
@@ -163,7 +167,7 @@ class TransferPair:
         started = time.perf_counter()
         self.producer.client.submit_blocks(
             self.producer.engine_id, request_id, [list(p_blocks)], transfer_id=transfer_id,
-            mode=common_pb2.TRANSFER_MODE_PUSH,
+            mode=common_pb2.TRANSFER_MODE_PUSH, num_tokens=num_tokens,
         )  # fmt: skip
         return self._finish(request_id, received, sent, started)
 

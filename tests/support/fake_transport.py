@@ -31,6 +31,8 @@ from sidecar.config import NixlSettings
 from sidecar.dataplane.contract import (
     NotificationsCallback,
     RemoteAgent,
+    RunsSpec,
+    Staging,
     TransferResult,
     TransferSpec,
     XferDoneCallback,
@@ -41,6 +43,7 @@ from sidecar.dataplane.contract import (
 class _FakeAgent:
     owner: FakeTransport
     regions: list[tuple[int, int, int]]
+    staging: list[Staging] = field(default_factory=list)
 
     def covers(self, address: int, length: int) -> bool:
         return any(base <= address and address + length <= base + size for base, size, _ in self.regions)
@@ -53,7 +56,7 @@ class FakeFabric:
     agents: dict[str, _FakeAgent] = field(default_factory=dict)
     gate: asyncio.Event | None = None
     fail_with: str = ""
-    transfers: list[TransferSpec] = field(default_factory=list)
+    transfers: list[TransferSpec | RunsSpec] = field(default_factory=list)
 
     def transport(
         self, settings: NixlSettings, on_notifications: NotificationsCallback, on_xfer_done: XferDoneCallback
@@ -104,7 +107,7 @@ class FakeTransport:
     async def drop_remote(self, names: list[str]) -> None:
         return None
 
-    async def transfer(self, spec: TransferSpec) -> TransferResult:
+    async def transfer(self, spec: TransferSpec | RunsSpec) -> TransferResult:
         self._fabric.transfers.append(spec)
         self._in_flight += 1
         try:
@@ -115,7 +118,21 @@ class FakeTransport:
             self._on_xfer_done(spec.op, result)
         return result
 
-    async def _transfer(self, spec: TransferSpec) -> TransferResult:
+    async def transfer_runs(self, spec: RunsSpec) -> TransferResult:
+        return await self.transfer(spec)
+
+    async def staging(self, agent_name: str, nbytes: int) -> Staging:
+        """A buffer added to the agent's registered regions (kept for the agent's life)."""
+        staging = Staging(np.zeros(max(nbytes, 1), dtype=np.uint8), busy=True)
+        agent = self._fabric.agents[agent_name]
+        agent.regions.append((staging.address, staging.array.size, 0))
+        agent.staging.append(staging)
+        return staging
+
+    def unstage(self, staging: Staging) -> None:
+        staging.busy = False
+
+    async def _transfer(self, spec: TransferSpec | RunsSpec) -> TransferResult:
         if spec.not_after is not None and time.monotonic() > spec.not_after:
             return TransferResult(False, "not posted: the producer's lease already ended")
         if self._fabric.gate is not None:
@@ -128,8 +145,11 @@ class FakeTransport:
             return TransferResult(False, f"transfer setup failed: unknown remote agent {spec.remote.name}")
         if self._fabric.fail_with:
             return TransferResult(False, f"transfer failed: {self._fabric.fail_with}")
-        mine = spec.local_list.build()[np.asarray(spec.local_indices, dtype=np.int64)]
-        theirs = spec.remote_list.build()[np.asarray(spec.remote_indices, dtype=np.int64)]
+        if isinstance(spec, RunsSpec):
+            mine, theirs = spec.local, spec.remote_descs
+        else:
+            mine = spec.local_list.build()[np.asarray(spec.local_indices, dtype=np.int64)]
+            theirs = spec.remote_list.build()[np.asarray(spec.remote_indices, dtype=np.int64)]
         if len(mine) != len(theirs):
             error = f"transfer setup failed: {len(mine)} local vs {len(theirs)} remote descriptors"
             return TransferResult(False, error)

@@ -62,6 +62,10 @@ class EngineProcess:
         block_len: int = 4096,
         heads: int = 1,
         model: str = "simulated",
+        block_size: int = 16,
+        kv_layout: str = "LBHNC",
+        head_size: int = 0,
+        dtype: str = "",
         wrapper: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
@@ -89,6 +93,14 @@ class EngineProcess:
             str(heads),
             "--model",
             model,
+            "--block-size",
+            str(block_size),
+            "--kv-layout",
+            kv_layout,
+            "--head-size",
+            str(head_size),
+            "--dtype",
+            dtype,
         ]
         stderr = self.log_path.open("ab")
         self.process = subprocess.Popen(

@@ -252,6 +252,7 @@ class VllmEngineProcess:
         transfer_mode: str = "pull",
         extra: dict[str, Any] | None = None,
         max_num_seqs: int = 8,
+        block_size: int = 32,
     ) -> None:
         self.name = name
         self.log_path = workdir / f"vllm-{name}.log"
@@ -263,6 +264,8 @@ class VllmEngineProcess:
             str(model),
             "--max-num-seqs",
             str(max_num_seqs),
+            "--block-size",
+            str(block_size),
         ]
         if sidecar is not None:
             command += [

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar.dataplane.plan.layout import HEAD_MAJOR_LAYOUTS, PlanError, WorkerLayout
+from sidecar.dataplane.plan.layout import HEAD_MAJOR_LAYOUTS, PlanError, WorkerLayout, is_head_major
 from sidecar.dataplane.plan.tp import pairings
 
 
 def check_compatible(
-    initiator: Sequence[WorkerLayout], initiator_tp: int, target: Sequence[WorkerLayout], target_tp: int
+    initiator: Sequence[WorkerLayout],
+    initiator_tp: int,
+    target: Sequence[WorkerLayout],
+    target_tp: int,
+    names: tuple[str, str] = ("here", "on the peer"),
 ) -> None:
     """Raise PlanError unless the two engines' KV can be exchanged byte for byte.
 
@@ -20,23 +24,30 @@ def check_compatible(
     if not initiator or not target:
         raise PlanError("an engine has no registered workers")
     mine, theirs = initiator[0], target[0]
+    here, there = names
     if initiator_tp % target_tp and target_tp % initiator_tp:
         raise PlanError(f"TP sizes {initiator_tp} and {target_tp} do not divide one another")
+    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
+        if a and b and a != b:
+            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
     if mine.block_size != theirs.block_size:
         raise PlanError(
-            f"block sizes differ ({mine.block_size} vs {theirs.block_size} tokens); "
-            "heterogeneous block sizes are not supported"
+            f"block sizes differ ({mine.block_size} tokens {here} vs {theirs.block_size} {there}) and the layouts "
+            f"({mine.kv_layout!r}, {theirs.kv_layout!r}) are not both convertible (HND/LBHNC, NHD/LBNHC)"
         )
     if mine.physical_per_logical != theirs.physical_per_logical:
         raise PlanError(
             f"kernel blocks per logical block differ ({mine.physical_per_logical} vs {theirs.physical_per_logical})"
         )
     if mine.kv_layout != theirs.kv_layout:
-        raise PlanError(f"KV layouts differ ({mine.kv_layout!r} vs {theirs.kv_layout!r})")
+        raise PlanError(
+            f"KV layouts differ ({mine.kv_layout!r} {here} vs {theirs.kv_layout!r} {there}) and are not both "
+            "convertible (HND/LBHNC, NHD/LBNHC)"
+        )
     if mine.is_mla != theirs.is_mla:
         raise PlanError("one engine uses MLA and the other does not")
     if initiator_tp != target_tp and not mine.is_mla:
-        if mine.kv_layout not in HEAD_MAJOR_LAYOUTS:
+        if not is_head_major(mine.kv_layout):
             raise PlanError(
                 f"heterogeneous TP ({initiator_tp} vs {target_tp}) needs a head-major KV layout "
                 f"({', '.join(sorted(HEAD_MAJOR_LAYOUTS))}), not {mine.kv_layout!r}"

@@ -26,8 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Layouts where a block's bytes are grouped by KV head, so a contiguous byte slice of a block is
-# a contiguous range of heads (vLLM forces "HND" for NIXL; the CPU backend reports "LBHNC").
+# a contiguous range of heads (vLLM forces "HND" for NIXL). The shim names vLLM's CPU backend
+# "CPU_<ISA>_LBHNC": head-major too, with an ISA-specific layout inside each head.
 HEAD_MAJOR_LAYOUTS = frozenset({"HND", "LBHNC"})
+
+
+def is_head_major(kv_layout: str) -> bool:
+    return kv_layout in HEAD_MAJOR_LAYOUTS or (kv_layout.startswith("CPU_") and kv_layout.endswith("_LBHNC"))
+
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -58,6 +64,8 @@ class WorkerLayout:
     total_num_kv_heads: int
     is_mla: bool
     device_id: int = 0
+    head_size: int = 0  # 0: not stated
+    dtype: str = ""  # "": not stated
 
 
 @dataclass(frozen=True)
