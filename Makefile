@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load clean
+.PHONY: setup proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,10 @@ bench-vllm: setup
 bench-load: setup
 	$(PY) -m pip install --quiet --no-deps nixl==1.5.1
 	$(PY) -m bench.vllm_load --json bench/out/vllm_load.json --png bench/out/vllm_load.png
+
+# Multi-turn reuse: P's TTFT at turn 2 loading the history from D vs recomputing it (bench/README.md).
+bench-multiturn: setup
+	$(PY) -m bench.multiturn --json bench/out/multiturn.json --png bench/out/multiturn.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

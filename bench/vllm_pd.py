@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,6 +215,7 @@ class Server(VllmServer):
         kv_space_gib: int,
         kv_transfer_config: dict[str, Any] | None,
         patch_dirs: list[Path],
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.side_channel_port = free_port()
         pythonpath = list(patch_dirs)
@@ -234,6 +235,7 @@ class Server(VllmServer):
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
             },
             pythonpath=pythonpath,
+            extra_args=extra_args,
         )
 
     async def wait_ready_async(self, timeout: float) -> None:

@@ -237,34 +237,63 @@ class SidecarClient:
         )
         return self._start(self.stub.Release, request)
 
-    def hold_blocks(
-        self,
+    @staticmethod
+    def hold_blocks_request(
         engine_id: str,
         request_id: str,
         block_ids: BlockIdsLike,
         conversation_id: str = "",
         num_tokens: int = 0,
         ttl_seconds: float = 0.0,
-    ) -> engine_pb2.HoldBlocksResponse:
-        request = engine_pb2.HoldBlocksRequest(
+        block_hashes: Sequence[bytes] = (),
+    ) -> engine_pb2.HoldBlocksRequest:
+        return engine_pb2.HoldBlocksRequest(
             engine_id=engine_id,
             request_id=request_id,
             conversation_id=conversation_id,
             block_ids=grouped(block_ids),
             num_tokens=num_tokens,
             ttl_seconds=ttl_seconds,
+            block_hashes=list(block_hashes),
         )
-        response: engine_pb2.HoldBlocksResponse = self.stub.HoldBlocks(request, timeout=self.timeout)
+
+    def hold_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.HoldBlocksResponse:
+        response: engine_pb2.HoldBlocksResponse = self.stub.HoldBlocks(
+            self.hold_blocks_request(*args, **kwargs), timeout=self.timeout
+        )
         return response
 
-    def query_cache(
-        self, engine_id: str, address: str = "", conversation_id: str = "", request_id: str = ""
-    ) -> engine_pb2.QueryCacheResponse:
-        request = engine_pb2.QueryCacheRequest(
-            engine_id=engine_id, address=address, conversation_id=conversation_id, request_id=request_id
+    def hold_blocks_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.HoldBlocksResponse]:
+        return self._start(self.stub.HoldBlocks, self.hold_blocks_request(*args, **kwargs))
+
+    @staticmethod
+    def query_cache_request(
+        engine_id: str,
+        address: str = "",
+        conversation_id: str = "",
+        request_id: str = "",
+        block_hashes: Sequence[bytes] = (),
+        known_peers: bool = False,
+        timeout_seconds: float = 0.0,
+    ) -> engine_pb2.QueryCacheRequest:
+        return engine_pb2.QueryCacheRequest(
+            engine_id=engine_id,
+            address=address,
+            conversation_id=conversation_id,
+            request_id=request_id,
+            block_hashes=list(block_hashes),
+            known_peers=known_peers,
+            timeout_seconds=timeout_seconds,
         )
-        response: engine_pb2.QueryCacheResponse = self.stub.QueryCache(request, timeout=self.timeout)
+
+    def query_cache(self, *args: Any, **kwargs: Any) -> engine_pb2.QueryCacheResponse:
+        response: engine_pb2.QueryCacheResponse = self.stub.QueryCache(
+            self.query_cache_request(*args, **kwargs), timeout=self.timeout
+        )
         return response
+
+    def query_cache_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.QueryCacheResponse]:
+        return self._start(self.stub.QueryCache, self.query_cache_request(*args, **kwargs))
 
     def status(self, include_requests: bool = False) -> engine_pb2.GetStatusResponse:
         response: engine_pb2.GetStatusResponse = self.stub.GetStatus(

@@ -220,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     {"op": "submit", "request_id", "blocks": [[..]], "num_tokens"?, "transfer_id"?, "lease_seconds"?, "mode"?} |
     {"op": "pull", "request_id", "blocks": [[..]], "remote": {address, engine_id, request_id, blocks}} |
     {"op": "expect_push", "request_id", "blocks": [[..]], "remote": {...}, "timeout_seconds"?} |
-    {"op": "hold", "request_id", "blocks": [[..]], "conversation_id"?, "ttl_seconds"?} |
-    {"op": "query", "address"?, "conversation_id"?, "request_id"?} |
+    {"op": "hold", "request_id", "blocks": [[..]], "conversation_id"?, "ttl_seconds"?, "block_hashes"?: [hex]} |
+    {"op": "query", "address"?, "conversation_id"?, "request_id"?, "block_hashes"?: [hex], "known_peers"?,
+     "timeout_seconds"?} |
     {"op": "release", "request_id"} | {"op": "exit"}.
     stdout: {"ready": {...}} once registered, then {"event": KIND, "request_id", "rank", ...} per
     event and {"reply": op, "ok": bool, ...} per command.
@@ -355,20 +356,24 @@ def main(argv: list[str] | None = None) -> int:
                         engine.engine_id, command["request_id"], _blocks(command["blocks"]),
                         conversation_id=command.get("conversation_id", ""), num_tokens=command.get("num_tokens", 0),
                         ttl_seconds=command.get("ttl_seconds", 0.0),
+                        block_hashes=[bytes.fromhex(h) for h in command.get("block_hashes", [])],
                     )  # fmt: skip
-                    result = {"ttl_seconds": reply_hold.ttl_seconds}
+                    result = {"ttl_seconds": reply_hold.ttl_seconds, "released_holds": reply_hold.released_holds}
                 elif op == "query":
                     found = client.query_cache(
                         engine.engine_id, command.get("address", ""), command.get("conversation_id", ""),
-                        command.get("request_id", ""),
+                        command.get("request_id", ""), [bytes.fromhex(h) for h in command.get("block_hashes", [])],
+                        command.get("known_peers", False), command.get("timeout_seconds", 0.0),
                     )  # fmt: skip
                     result = {
                         "entries": [
                             {"engine_id": e.engine_id, "request_id": e.request_id, "address": e.address,
                              "blocks": [list(g.ids) for g in e.block_ids.groups], "num_tokens": e.num_tokens,
-                             "expires_in_seconds": e.expires_in_seconds}
+                             "expires_in_seconds": e.expires_in_seconds, "matched_blocks": e.matched_blocks,
+                             "block_hashes": [h.hex() for h in e.block_hashes]}
                             for e in found.entries
-                        ]
+                        ],
+                        "unreachable": list(found.unreachable),
                     }  # fmt: skip
                 elif op == "release":
                     client.release(engine.engine_id, command["request_id"], reason=command.get("reason", ""))

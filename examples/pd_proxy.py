@@ -23,6 +23,14 @@ Every dispatch gets a fresh ``transfer_id`` (the sidecars' primary match key) an
 the same ``X-Request-Id``. Engines are picked round-robin. If P returns no parameters (its sidecar
 was down), D gets a plain request and computes the prompt itself.
 
+Multi-turn chats (engines started with ``"multi_turn": true``): the proxy keeps no state. A client
+may name its conversation with a top-level ``conversation_id`` (as vLLM's multi-turn proxy
+expects); it is removed from the body and passed to both legs in ``kv_transfer_params``. D then
+holds each finished turn under that id, and on the next turn P's sidecar finds it on D's sidecar
+and P loads the history instead of computing it. Without an id P finds the hold by its prompt's
+block hashes among the sidecars its own sidecar knows. Either way only the prefix whose block
+hashes match is reused, so a client that edits the history gets correct answers.
+
 Run: ``python examples/pd_proxy.py --prefill http://p:8100 --decode http://d:8200 --port 8000``.
 Threads: one asyncio loop (aiohttp server and client); nothing blocks it.
 """
@@ -87,7 +95,7 @@ class LegError(Exception):
         self.body = body
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, mode: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str, mode: str, conversation_id: str = "") -> dict[str, Any]:
     """The prefill leg: one token, no stream, and the request to keep the KV for a decoder."""
     leg = copy.deepcopy(body)
     leg["max_tokens"] = 1
@@ -105,16 +113,30 @@ def prefill_body(body: dict[str, Any], transfer_id: str, mode: str) -> dict[str,
         "transfer_id": transfer_id,
         "transfer_mode": mode,
     }
+    if conversation_id:
+        leg["kv_transfer_params"]["conversation_id"] = conversation_id
     return leg
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(
+    body: dict[str, Any], kv_transfer_params: dict[str, Any] | None, conversation_id: str = ""
+) -> dict[str, Any]:
     leg = copy.deepcopy(body)
-    if kv_transfer_params:
-        leg["kv_transfer_params"] = kv_transfer_params
+    params = dict(kv_transfer_params or {})
+    if conversation_id:
+        params["conversation_id"] = conversation_id  # D holds the finished turn under it
+    if params:
+        leg["kv_transfer_params"] = params
     else:
         leg.pop("kv_transfer_params", None)  # the decoder computes the prompt itself
     return leg
+
+
+def take_conversation_id(body: dict[str, Any]) -> str:
+    """The client's top-level ``conversation_id`` (vLLM's multi-turn proxy convention), removed
+    from the body the engines see; ``""`` if there is none."""
+    value = body.pop("conversation_id", None)
+    return str(value) if value else ""
 
 
 def concurrent_push_params(prefill: Prefill, transfer_id: str) -> dict[str, Any]:
@@ -138,7 +160,10 @@ class Proxy:
 
     async def start(self, _: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout, sock_connect=10.0)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        # Idle connections are dropped before vLLM's server (uvicorn: 5 s) closes them, so a leg is
+        # not sent on a connection the engine is closing at that moment.
+        connector = aiohttp.TCPConnector(keepalive_timeout=4.0)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
 
     async def close(self, _: web.Application) -> None:
         if self._session is not None:
@@ -167,8 +192,21 @@ class Proxy:
         async with self.session.get(f"{decode}/v1/models") as response:
             return web.Response(body=await response.read(), status=response.status, content_type="application/json")
 
+    async def _post(self, url: str, body: dict[str, Any], request_id: str) -> aiohttp.ClientResponse:
+        """POST a leg. A connection error before any answer is retried once: a pooled keep-alive
+        connection the engine closed meanwhile (its idle timeout, or a restart on the same port) is
+        reset at first use, and the request never reached the engine."""
+        for attempt in (1, 2):
+            try:
+                return await self.session.post(url, json=body, headers={"X-Request-Id": request_id})
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 2:
+                    raise
+                log.info("request %s to %s: %r; retrying on a fresh connection", request_id, url, exc)
+        raise AssertionError("unreachable")
+
     async def _post_json(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        async with self.session.post(url, json=body, headers={"X-Request-Id": request_id}) as response:
+        async with await self._post(url, body, request_id) as response:
             payload = await response.read()
             if response.status != 200:
                 raise LegError(response.status, payload)
@@ -183,15 +221,16 @@ class Proxy:
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object"}, status=400)
         path = request.path
+        conversation_id = take_conversation_id(body)
         prefill, decode = self.config.pick()
         transfer_id = uuid.uuid4().hex
         request_id = request.headers.get("X-Request-Id") or f"pd-{transfer_id}"
         mode = self.config.mode
-        prefill_leg = prefill_body(body, transfer_id, mode)
+        prefill_leg = prefill_body(body, transfer_id, mode, conversation_id)
         try:
             if self.config.concurrent:
                 return await self._concurrent(
-                    request, body, prefill, decode, path, transfer_id, request_id, prefill_leg
+                    request, body, prefill, decode, path, transfer_id, request_id, prefill_leg, conversation_id
                 )
             answer = await self._post_json(f"{prefill.url}{path}", prefill_leg, request_id)
             params = answer.get("kv_transfer_params")
@@ -202,7 +241,8 @@ class Proxy:
                     params.pop("remote_block_ids", None)
             else:
                 log.warning("prefill %s returned no kv_transfer_params; the decoder computes the prompt", prefill.url)
-            return await self._decode(request, f"{decode}{path}", decode_body(body, params), request_id)
+            leg = decode_body(body, params, conversation_id)
+            return await self._decode(request, f"{decode}{path}", leg, request_id)
         except LegError as exc:
             return web.Response(body=exc.body, status=exc.status, content_type="application/json")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -219,8 +259,9 @@ class Proxy:
         transfer_id: str,
         request_id: str,
         prefill_leg: dict[str, Any],
+        conversation_id: str,
     ) -> web.StreamResponse:
-        decode_leg = decode_body(body, concurrent_push_params(prefill, transfer_id))
+        decode_leg = decode_body(body, concurrent_push_params(prefill, transfer_id), conversation_id)
         # The decode leg starts first so its blocks are registered when P finishes; it cannot
         # produce a token before P's KV arrived, so nothing reaches the client before P answered.
         ready = asyncio.Event()
@@ -234,7 +275,8 @@ class Proxy:
             log.warning("prefill leg of %s failed (%r); the decoder computes the prompt", request_id, exc)
             decoding.cancel()  # closes the connection: vLLM aborts it, the sidecar releases it
             await asyncio.gather(decoding, return_exceptions=True)
-            return await self._decode(request, f"{decode}{path}", decode_body(body, None), request_id)
+            plain = decode_body(body, None, conversation_id)
+            return await self._decode(request, f"{decode}{path}", plain, request_id)
         return await decoding
 
     async def _decode(
@@ -245,7 +287,7 @@ class Proxy:
         request_id: str,
         started: asyncio.Event | None = None,
     ) -> web.StreamResponse:
-        async with self.session.post(url, json=body, headers={"X-Request-Id": request_id}) as response:
+        async with await self._post(url, body, request_id) as response:
             if not body.get("stream"):
                 payload = await response.read()
                 if started is not None:

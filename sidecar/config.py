@@ -154,6 +154,9 @@ class Settings(BaseSettings):
     transfer_timeout_seconds: float = Field(default=30.0, gt=0.0, le=3600.0)
     # Default hold time for HoldBlocks (multi-turn).
     hold_ttl_seconds: float = Field(default=480.0, gt=0.0, le=86400.0)
+    # Share of an engine's KV blocks its holds may occupy; past it the oldest holds are released
+    # (the engine gets the blocks back), so holding for multi-turn reuse never starves it.
+    hold_max_share: float = Field(default=0.25, gt=0.0, le=1.0)
     # Deadline of one PeerService call (handshake included).
     peer_call_timeout_seconds: float = Field(default=5.0, gt=0.0, le=600.0)
     # A worker that registered must open WatchEvents within this time or its registration is dropped.

@@ -128,6 +128,26 @@ class SidecarMetrics:
         )
         self.transfers_in_flight = Gauge("kvsidecar_transfers_in_flight", "NIXL transfers in flight.", registry=r)
         self.held_requests = Gauge("kvsidecar_held_requests", "Requests whose blocks are held for reuse.", registry=r)
+        self.held_blocks = Gauge("kvsidecar_held_blocks", "Blocks held for multi-turn reuse (all groups).", registry=r)
+        self.hold_releases = Counter(
+            "kvsidecar_hold_releases_total",
+            "Holds ended, by reason: read (a peer pulled them), ttl, cap (released for a newer hold), "
+            "superseded (the conversation's next turn is held), refused_over_cap, released (by the engine), "
+            "engine_gone.",
+            ["reason"],
+            registry=r,
+        )
+        self.cache_lookups = Counter(
+            "kvsidecar_cache_lookups_total",
+            "Cache queries asked by local engines, by outcome: hit, no_hold, prefix_mismatch, peer_unreachable.",
+            ["outcome"],
+            registry=r,
+        )
+        self.cache_matched_tokens = Counter(
+            "kvsidecar_cache_matched_tokens_total",
+            "Prompt tokens that cache hits found held on a peer (the engine still decides whether to load them).",
+            registry=r,
+        )
         self.events = Counter("kvsidecar_events_total", "Events sent to workers, by kind.", ["kind"], registry=r)
         self.transport_responsive = Gauge(
             "kvsidecar_transport_responsive",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 
+from engine_shim.vllm.multiturn import CONFIG_KEYS as MULTI_TURN_KEYS
 from kvsidecar.shm import SHM_DIR
 from kvsidecar.v1 import common_pb2
 
@@ -66,7 +67,7 @@ class ShimConfig:
         assert transfer is not None
         extra: Mapping[str, Any] = transfer.kv_connector_extra_config or {}
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - known - MULTI_TURN_KEYS)  # multi-turn hook: read by multiturn.py
         if unknown:
             logger.warning("SidecarConnector: ignoring unknown kv_connector_extra_config keys %s", unknown)
         values: dict[str, Any] = {"sidecar_socket": str(extra.get("sidecar_socket") or _default_socket())}

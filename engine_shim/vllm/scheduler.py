@@ -13,8 +13,8 @@ reported to the workers in the next step's metadata (``SidecarConnectorMetadata.
 ``send_abandoned``), see ``engine_shim.vllm.worker``.
 
 Why ~520 lines: one state machine over vLLM's scheduler hooks (its helpers for kv_transfer_params
-are already in ``params``); multi-turn decisions (pull a held prefix or recompute) belong in a
-``multiturn.py`` next to it rather than here.
+are already in ``params``); multi-turn decisions (pull a held prefix or recompute, hold a finished
+turn) are in ``multiturn.py`` next to it, called from small marked hooks here.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import grpc
 from vllm.logger import init_logger
 
 from engine_shim.client import Future, SidecarClient, remote
+from engine_shim.vllm import multiturn
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.params import flat, grouped, peer_address, split_address
@@ -64,7 +65,6 @@ _REFUSED = frozenset(
 )
 
 
-
 class _FutureLike(Protocol):
     """A gRPC future, or a plain future standing for a call issued later (see _after_keep_alive)."""
 
@@ -95,8 +95,6 @@ def _rpc_error(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
         code = exc.code()
         return code, f"{code.name}: {exc.details()}"
     return None, repr(exc)
-
-
 
 
 @dataclass
@@ -148,6 +146,13 @@ class SchedulerSide:
         self._failures: collections.deque[tuple[str, str, str]] = collections.deque()
         # Tokens this engine was told to load from outside, per request (bounded; for observability).
         self.external_tokens: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # --- multi-turn hook (engine_shim.vllm.multiturn): P loads earlier turns from D's holds; a
+        # decode engine (kv_consumer / kv_both) holds its finished requests for the next turn.
+        turns = multiturn.MultiTurnConfig.from_extra(transfer.kv_connector_extra_config or {})
+        self.multiturn = (
+            multiturn.MultiTurn(turns, self.client, self.engine_id, self.block_size) if turns.enabled else None
+        )
+        self._holds_turns = self.multiturn is not None and transfer.kv_role in ("kv_consumer", "kv_both")
         self.client.subscribe_connectivity(self._on_connectivity)
         try:
             self._address = self.client.status_async().result(timeout=min(5.0, config.rpc_timeout)).sidecar.address
@@ -208,12 +213,12 @@ class SchedulerSide:
 
         release.add_done_callback(released)
 
-    def _on_submit_done(self, request_id: str, future: Future[Any]) -> None:
+    def _on_submit_done(self, request_id: str, future: Future[Any], what: str = "SubmitBlocks") -> None:
         exc = future.exception()
         if exc is not None:
             _, text = _rpc_error(exc)
             # The blocks were never offered (or the sidecar is gone): vLLM may free them.
-            self._failures.append(("send", request_id, f"SubmitBlocks failed: {text}"))
+            self._failures.append(("send", request_id, f"{what} failed: {text}"))
 
     # vLLM scheduler thread ---------------------------------------------------------------------
 
@@ -237,6 +242,8 @@ class SchedulerSide:
             and (params.get("remote_request_id") or params.get("transfer_id"))
         ):
             self._arrived[request.request_id] = request
+        elif self.multiturn is not None and params and params.get("do_remote_decode") and not self._down:
+            self.multiturn.prefetch(request)  # multi-turn hook: ask for a hold while it waits
 
     def _keep_alive(self, request: Request) -> None:
         params = request.kv_transfer_params
@@ -290,8 +297,11 @@ class SchedulerSide:
             if request_id in self._kept_alive:
                 self._producer_lost.add(request_id)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
+        # --- multi-turn hook: a prefill leg may load earlier turns from a remote hold (None: ask again).
+        if self.multiturn is not None and params and params.get("do_remote_decode") and not self._down:
+            return self.multiturn.matched_tokens(request, num_computed_tokens)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if not params.get("remote_engine_id") or peer_address(params) is None:
@@ -310,6 +320,16 @@ class SchedulerSide:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        # --- multi-turn hook: pull the matched prefix of a remote hold into the new blocks.
+        if self.multiturn is not None:
+            held = self.multiturn.take_load(request, num_external_tokens)
+            if held is not None:
+                local = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+                pulling = self.client.pull_async(
+                    self.engine_id, request.request_id, local, held, "", self.config.pull_timeout
+                )
+                self._track_receive(request.request_id, "", local, pulling, "Pull", num_external_tokens)
+                return
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -355,12 +375,19 @@ class SchedulerSide:
                 self.config.push_timeout,
             )
         future = self._after_keep_alive(request_id, call)
+        what = "Pull" if mode == "pull" else "ExpectPush"
+        self._track_receive(request_id, transfer_id, local, future, what, num_external_tokens)
+
+    def _track_receive(
+        self, request_id: str, transfer_id: str, local: BlockIds, future: _FutureLike, what: str, num_external: int
+    ) -> None:
+        """A receive's request call was issued: its workers hear of it in the next metadata, and a
+        failed call reaches them as a failed receive."""
         flat_blocks = flat(local)
         self._receives[request_id] = _Receive(request_id, transfer_id, flat_blocks, future)
         self._new_receives[request_id] = (time.monotonic(), flat_blocks)
-        what = "Pull" if mode == "pull" else "ExpectPush"
         future.add_done_callback(lambda f: self._on_receive_call_done(request_id, transfer_id, what, f))
-        self.external_tokens[request_id] = num_external_tokens
+        self.external_tokens[request_id] = num_external
         while len(self.external_tokens) > 4096:
             self.external_tokens.popitem(last=False)
 
@@ -407,6 +434,8 @@ class SchedulerSide:
         request_id = request.request_id
         self._producer_lost.discard(request_id)
         self._arrived.pop(request_id, None)
+        if self.multiturn is not None:
+            self.multiturn.forget(request_id)  # multi-turn hook: a lookup not taken
         if params.get("do_remote_prefill"):
             # Finished (aborted) before blocks were allocated: nothing was fetched. The producer may
             # free its blocks (pull), and the sidecar stops keeping its lease alive.
@@ -423,6 +452,8 @@ class SchedulerSide:
                 self._release_after(receive, "the consumer request was aborted")
             return False, None
         if not params.get("do_remote_decode"):
+            if self._holds_turns:  # multi-turn hook: a decode engine keeps the turn for the next one
+                return self._hold_for_next_turn(request, block_ids)
             return False, None
         # Producer: keep the blocks for the consumer only after a normal finish.
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
@@ -476,6 +507,30 @@ class SchedulerSide:
         }
         if transfer_id:
             result["transfer_id"] = transfer_id
+        if params.get("conversation_id"):  # multi-turn hook: D's hold is indexed by it
+            result["conversation_id"] = params["conversation_id"]
+        return True, result
+
+    def _hold_for_next_turn(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Multi-turn hook (engine_shim.vllm.multiturn): keep a finished decode request's blocks on
+        the sidecar until a prefill engine reads them for the next turn, their TTL ends, or the hold
+        cap releases them; vLLM frees them at the FINISHED_SENDING / LEASE_EXPIRED that follows."""
+        from vllm.v1.request import RequestStatus
+
+        assert self.multiturn is not None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None
+        blocks = self._transfer_blocks(block_ids)
+        if not any(blocks) or self._address is None or self._down:
+            return False, None
+        request_id = request.request_id
+        host, port = split_address(self._address)
+        future, result = self.multiturn.hold(request, blocks, host, port, self.tp_size, self.pp_size)
+        future.add_done_callback(lambda f: self._on_submit_done(request_id, f, "HoldBlocks"))
+        self._sends.add(request_id)
+        self._new_sends[request_id] = time.monotonic()
         return True, result
 
     def _release_after(self, receive: _Receive, reason: str) -> None:
@@ -527,5 +582,3 @@ class SchedulerSide:
         # Keep the engine stepping while failures wait for delivery or pushed blocks wait for their
         # WRITEs (vLLM's push semantics); pulled blocks are freed at the next step, as in vLLM.
         return bool(self._failures or self._push_sends)
-
-

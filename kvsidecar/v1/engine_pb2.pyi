@@ -235,41 +235,51 @@ class PullResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "ttl_seconds")
+    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "ttl_seconds", "block_hashes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     conversation_id: str
     block_ids: _common_pb2.GroupedBlockIds
     num_tokens: int
     ttl_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class HoldBlocksResponse(_message.Message):
-    __slots__ = ("ttl_seconds",)
+    __slots__ = ("ttl_seconds", "released_holds")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_HOLDS_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
-    def __init__(self, ttl_seconds: _Optional[float] = ...) -> None: ...
+    released_holds: int
+    def __init__(self, ttl_seconds: _Optional[float] = ..., released_holds: _Optional[int] = ...) -> None: ...
 
 class QueryCacheRequest(_message.Message):
-    __slots__ = ("engine_id", "address", "conversation_id", "request_id")
+    __slots__ = ("engine_id", "address", "conversation_id", "request_id", "block_hashes", "known_peers", "timeout_seconds")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     conversation_id: str
     request_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    known_peers: bool
+    timeout_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., known_peers: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class CacheEntry(_message.Message):
-    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "expires_in_seconds", "address", "tp_size")
+    __slots__ = ("engine_id", "request_id", "conversation_id", "block_ids", "num_tokens", "expires_in_seconds", "address", "tp_size", "block_hashes", "matched_blocks", "engine_generation")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +288,9 @@ class CacheEntry(_message.Message):
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     conversation_id: str
@@ -286,13 +299,18 @@ class CacheEntry(_message.Message):
     expires_in_seconds: float
     address: str
     tp_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., address: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    matched_blocks: int
+    engine_generation: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., address: _Optional[str] = ..., tp_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., matched_blocks: _Optional[int] = ..., engine_generation: _Optional[str] = ...) -> None: ...
 
 class QueryCacheResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "unreachable")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[CacheEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[CacheEntry, _Mapping]]] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, entries: _Optional[_Iterable[_Union[CacheEntry, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "transfer_id", "reason")
@@ -429,7 +447,7 @@ class RequestStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., side: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ..., state: _Optional[str] = ..., deadline_in_seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("sidecar", "uptime_seconds", "engines", "peers", "leases", "transfers_in_flight", "pending_push_registrations", "unmatched_submissions", "pending_receives", "held_requests", "requests", "draining")
+    __slots__ = ("sidecar", "uptime_seconds", "engines", "peers", "leases", "transfers_in_flight", "pending_push_registrations", "unmatched_submissions", "pending_receives", "held_requests", "requests", "draining", "held_blocks")
     SIDECAR_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +460,7 @@ class GetStatusResponse(_message.Message):
     HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sidecar: _common_pb2.SidecarInfo
     uptime_seconds: float
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
@@ -454,4 +473,5 @@ class GetStatusResponse(_message.Message):
     held_requests: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     draining: bool
-    def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    held_blocks: int
+    def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., held_blocks: _Optional[int] = ...) -> None: ...

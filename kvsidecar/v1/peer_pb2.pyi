@@ -185,16 +185,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., foreign_blocks: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
 
 class PeerQueryCacheRequest(_message.Message):
-    __slots__ = ("caller_sidecar_id", "engine_id", "conversation_id", "request_id")
+    __slots__ = ("caller_sidecar_id", "engine_id", "conversation_id", "request_id", "block_hashes")
     CALLER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     caller_sidecar_id: str
     engine_id: str
     conversation_id: str
     request_id: str
-    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PeerQueryCacheResponse(_message.Message):
     __slots__ = ("sidecar_id", "entries")

@@ -26,6 +26,8 @@ _SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--push-registration-timeout-seconds": ("push_registration_timeout_seconds", float, "push watchdog"),
     "--transfer-timeout-seconds": ("transfer_timeout_seconds", float, "bound on one pull / one transfer"),
     "--shutdown-grace-seconds": ("shutdown_grace_seconds", float, "graceful shutdown budget"),
+    "--hold-ttl-seconds": ("hold_ttl_seconds", float, "default hold time of HoldBlocks (multi-turn)"),
+    "--hold-max-share": ("hold_max_share", float, "share of an engine's KV blocks its holds may occupy"),
     "--integrity": ("integrity", str, "off | digest: verify a digest of every received block's content"),
 }
 

@@ -264,6 +264,7 @@ class Node:
             unmatched_submissions=self.producer.matcher.unmatched_submissions,
             pending_receives=len(self.consumer.requests),
             held_requests=len(self.holds),
+            held_blocks=self.holds.index.held_blocks,
             draining=self.draining,
         )
         if request.include_requests:

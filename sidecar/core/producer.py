@@ -49,7 +49,14 @@ from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
 from sidecar.dataplane.plan.convert import single_group
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import TransferJob
-from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SidecarError
+from sidecar.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    SidecarError,
+)
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
@@ -167,12 +174,18 @@ class ProducerSide:
         return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=matched)
 
     async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
-        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn)."""
+        """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn).
+
+        The engine's holds may occupy at most ``hold_max_share`` of its blocks: past that the
+        oldest holds nobody may be reading are released first (LEASE_EXPIRED gives the engine its
+        blocks back); a hold larger than the whole share is refused (RESOURCE_EXHAUSTED). A new
+        hold of a conversation supersedes the engine's earlier holds of it."""
         ctx = self._ctx
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id")
         validation.identifier(request.conversation_id, "conversation_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
+        hashes = validation.block_hashes(request.block_hashes, "block_hashes", len(blocks[0]) if blocks else 0)
         ttl = validation.duration(request.ttl_seconds, "ttl_seconds", ctx.settings.hold_ttl_seconds)
         engine = ctx.registry.require_engine(request.engine_id, "engine_id")
         self._check_blocks(engine, blocks, "block_ids")
@@ -180,6 +193,9 @@ class ProducerSide:
         if key in self.requests:
             raise FailedPrecondition(f"request {request.request_id!r} already has blocks held or submitted")
         ctx.tasks.check_capacity(len(self.requests))
+        if request.conversation_id:
+            self._release_superseded(request.engine_id, request.conversation_id)
+        released = self._make_room(engine, sum(len(group) for group in blocks))
         pending = ProducerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
@@ -192,9 +208,62 @@ class ProducerSide:
         )
         self._add(pending)
         self._holds.hold(
-            pending.engine_id, pending.request_id, request.conversation_id, pending.block_ids, pending.num_tokens
+            pending.engine_id,
+            pending.request_id,
+            request.conversation_id,
+            pending.block_ids,
+            pending.num_tokens,
+            hashes,
         )
-        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl)
+        return engine_pb2.HoldBlocksResponse(ttl_seconds=ttl, released_holds=released)
+
+    def _releasable(self, key: tuple[str, str], now: float) -> ProducerRequest | None:
+        """A held request that may be handed back now: not closing, and no consumer may read it."""
+        pending = self.requests.get(key)
+        if pending is None or pending.closing is not None or pending.readable_until > now:
+            return None
+        return pending
+
+    def _release_superseded(self, engine_id: str, conversation_id: str) -> None:
+        """A conversation's new turn supersedes the engine's earlier holds for it (a later turn's
+        KV extends the earlier one's); those nobody reads are released now, not at their TTL."""
+        now = time.monotonic()
+        for match in self._holds.index.query(conversation_id=conversation_id, engine_id=engine_id):
+            pending = self._releasable((engine_id, match.entry.request_id), now)
+            if pending is not None:
+                reason = "superseded by the conversation's next turn"
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
+
+    def _make_room(self, engine: Engine, wanted: int) -> int:
+        """Release the engine's oldest holds until ``wanted`` more blocks fit in its share;
+        returns how many were released. Holds a consumer may be reading are skipped."""
+        ctx = self._ctx
+        share = ctx.settings.hold_max_share
+        cap = int(share * engine.num_blocks // max(1, engine.physical_per_logical))
+        if wanted > cap:
+            ctx.metrics.hold_releases.labels(reason="refused_over_cap").inc()
+            raise ResourceExhausted(
+                f"block_ids: {wanted} blocks exceed the hold cap of engine {engine.engine_id!r} "
+                f"({share:g} of its blocks = {cap}); the engine keeps them"
+            )
+        index = self._holds.index
+        released = 0
+        now = time.monotonic()
+        for held in index.oldest_of_engine(engine.engine_id):
+            if index.blocks_of_engine(engine.engine_id) + wanted <= cap:
+                break
+            pending = self._releasable((held.engine_id, held.request_id), now)
+            if pending is None:
+                continue
+            log.info("hold_released_for_room", engine_id=engine.engine_id, request_id=pending.request_id, cap=cap)
+            reason = f"hold cap ({share:g} of the engine's blocks): released for a newer hold"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="cap")
+            released += 1
+        if index.blocks_of_engine(engine.engine_id) + wanted > cap:
+            raise ResourceExhausted(
+                f"block_ids: the hold cap of engine {engine.engine_id!r} ({cap} blocks) is taken by holds being read"
+            )
+        return released
 
     def release(self, engine_id: str, request_id: str, transfer_id: str, reason: str) -> bool:
         """The local engine aborts or frees a request. Returns False if nothing was known of it."""
@@ -459,7 +528,7 @@ class ProducerSide:
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
-            self._finish(pending, kind, reason=reason)
+            self._finish(pending, kind, reason=reason, hold_end="read")
         return True
 
     # --- push ---------------------------------------------------------------------------------
@@ -617,7 +686,8 @@ class ProducerSide:
                 notifications=pending.notices.total,
                 what=what,
             )
-            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=f"{what} of {pending.lease_seconds:g}s expired")
+            reason = f"{what} of {pending.lease_seconds:g}s expired"
+            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="ttl")
 
     def _on_registrations_expired(self, keys: list[tuple[str, str]]) -> None:
         for key in keys:
@@ -629,7 +699,7 @@ class ProducerSide:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
             if not pending.writing:
                 # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
-                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
+                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
             else:
                 self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
         for registration in self.matcher.registrations():
@@ -676,7 +746,9 @@ class ProducerSide:
             self._ctx.transport.expect_notifications(1)
         self._ctx.metrics.leases.set(len(self.leases))
 
-    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "") -> None:
+    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
+        """End a request: its engine gets FINISHED_SENDING / LEASE_EXPIRED. ``hold_end`` labels why
+        a held request ended (metrics: read, ttl, cap, superseded, released, engine_gone)."""
         if self.requests.pop(pending.key, None) is None:
             return
         if pending.transfer_id:
@@ -686,7 +758,7 @@ class ProducerSide:
         if pending.accepts_pull:
             self._ctx.transport.expect_notifications(-1)
         if pending.held:
-            self._holds.release(pending.key)
+            self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))
         self._update_gauges()
         self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)

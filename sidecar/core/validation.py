@@ -8,7 +8,7 @@ import hashlib
 import ipaddress
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvsidecar.v1 import common_pb2, engine_pb2
@@ -101,6 +101,20 @@ def address(value: str, field: str, required: bool = True) -> str:
     if problem:
         raise InvalidArgument(field, problem)
     return value
+
+
+# A block hash is a digest (vLLM: 32-byte sha256, or 8-16 bytes for xxhash/cbor variants).
+MAX_BLOCK_HASH_BYTES = 64
+
+
+def block_hashes(values: Sequence[bytes], field: str, max_count: int) -> tuple[bytes, ...]:
+    """Content hashes of leading blocks: at most ``max_count``, each 1-64 bytes."""
+    if len(values) > max_count:
+        raise InvalidArgument(field, f"lists {len(values)} hashes, more than the {max_count} blocks it describes")
+    for index, value in enumerate(values):
+        if not 0 < len(value) <= MAX_BLOCK_HASH_BYTES:
+            raise InvalidArgument(f"{field}[{index}]", f"must be 1-{MAX_BLOCK_HASH_BYTES} bytes, not {len(value)}")
+    return tuple(values)
 
 
 def duration(value: float, field: str, default: float, maximum: float = 86400.0) -> float:

@@ -84,6 +84,9 @@ class PeerClient:
         # before any handshake); cleared by an answer, bounded like the table.
         self._failures: dict[str, int] = {}
         self._in_flight: dict[str, int] = {}
+        # Peer sidecars that called us (normalized address -> address as given), LRU order, at most
+        # settings.max_peers: with the handshaken peers, whom multi-turn cache queries ask.
+        self._callers: dict[str, str] = {}
         self._self_addresses = SelfAddresses()
 
     def bind_local(self, routes: PeerRoutes) -> None:
@@ -168,10 +171,22 @@ class PeerClient:
         if names:
             await self._on_peer_restart(address, names)
 
+    def known_addresses(self) -> list[str]:
+        """Peer sidecars we handshook with or that called us, most recent callers last (multi-turn
+        cache queries ask them all)."""
+        known = {key: state.address for key, state in self._peers.items()}
+        known.update(self._callers)
+        return [address for key, address in known.items() if key and not self.is_self(key)]
+
     async def note_caller(self, info: common_pb2.SidecarInfo) -> None:
-        """An incoming call names its sidecar: drop our cache of it if it restarted since."""
+        """An incoming call names its sidecar: remember it as a known peer (bounded by max_peers,
+        least recent dropped first), and drop our cache of it if it restarted since."""
         if info.address and info.sidecar_id and not self.is_self(info.address):
-            state = self._peers.get(self._key(info.address))
+            key = self._key(info.address)
+            self._callers[key] = self._callers.pop(key, info.address)
+            while len(self._callers) > self._settings.max_peers:
+                del self._callers[next(iter(self._callers))]
+            state = self._peers.get(key)
             if state is not None and state.sidecar_id and state.sidecar_id != info.sidecar_id:
                 log.warning(
                     "peer_restarted", peer=info.address, old_sidecar_id=state.sidecar_id, new_sidecar_id=info.sidecar_id

@@ -8,7 +8,7 @@ Threads: a reader thread turns stdin lines into a queue; the main thread owns vL
 engine whenever it has work, handling commands between steps (so ``corrupt`` never races a step).
 
 stdin, one JSON object per line (``id`` is echoed in the reply):
-- ``{"op": "generate", "id", "prompt", "max_tokens", "kv_transfer_params"?}``: the reply comes
+- ``{"op": "generate", "id", "prompt" (text or token ids), "max_tokens", "kv_transfer_params"?}``: the reply comes
   when the request finishes: token ids, text, kv_transfer_params, num_cached_tokens, the
   engine's internal request id, what the shim recorded about its transfer and how many tokens
   the scheduler was told to load from outside;
@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                         extra_args=extra_args or None,
                     )
                     external = f"req-{counter}"
-                    pending[external] = (engine.add_request(external, command["prompt"], params), ident)
+                    prompt = command["prompt"]
+                    if isinstance(prompt, list):  # token ids
+                        prompt = {"prompt_token_ids": [int(token) for token in prompt]}
+                    pending[external] = (engine.add_request(external, prompt, params), ident)
                 elif op == "corrupt":
                     blocks = [int(block) for block in command["blocks"]]
                     for layer in model_runner.kv_caches:
@@ -368,7 +371,7 @@ class VllmEngineProcess:
 
     def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int,
         kv_transfer_params: dict[str, Any] | None = None,
         timeout: float = 60.0,
@@ -492,9 +495,11 @@ class VllmServer:
         kv_space_gib: int = 1,
         extra_env: dict[str, str] | None = None,
         pythonpath: Sequence[Path] = (),
+        extra_args: Sequence[str] = (),
+        port: int | None = None,
     ) -> None:
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()  # a restarted server may keep its predecessor's port
         self.url = f"http://127.0.0.1:{self.port}"
         self.engine_id = str((kv_transfer_config or {}).get("engine_id") or "")
         self.log_path = workdir / f"vllm-server-{name}.log"
@@ -508,6 +513,7 @@ class VllmServer:
             command += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
         if kv_transfer_config is not None:
             command += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        command += list(extra_args)  # e.g. --no-enable-prefix-caching
         env = python_env(
             {
                 "HF_HUB_OFFLINE": "1",
