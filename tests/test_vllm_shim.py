@@ -58,7 +58,7 @@ class KeepAliveClient:
 
 def vllm_config(engine_id: str = "decode-0") -> Any:
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role="kv_both"),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role="kv_both", kv_connector_extra_config={}),
         cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(
@@ -106,7 +106,7 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
     try:
         scheduler.on_new_request(request)  # type: ignore[arg-type]
         assert scheduler.get_num_new_matched_tokens(request, 0) == (40, True)  # type: ignore[arg-type]
-        scheduler.build_connector_meta(None)  # type: ignore[arg-type]  # not scheduled: keep it alive
+        scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]  # not scheduled: keep it alive
         assert len(fake.futures) == 1
         callback_thread = threading.Thread(
             target=fake.futures[0].set_result, args=(SimpleNamespace(producer_holds=False),)

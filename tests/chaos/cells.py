@@ -60,6 +60,9 @@ SETTINGS = {
     # End-to-end digests (issue 11): a consumer that received wrong bytes fails the load. The
     # cells still check every byte themselves.
     "integrity": "digest",
+    # The multi-turn cells hold a large transfer's blocks (400 of the engine's 1024): above the
+    # default hold cap (a quarter of the engine's blocks), which issue 16 added.
+    "hold_max_share": 1.0,
 }
 # The waiting side learns within this many seconds of the fault (plus STOP_SECONDS for a stop):
 # the longest of the bounds that apply (transfer timeout 4, push registration 5, lease 2 plus a
