@@ -21,15 +21,11 @@ def check_compatible(
     Checks what the compatibility hash deliberately leaves out (as vLLM does): TP sizes, block
     size, layout, region names and per-region block lengths.
     """
-    if not initiator or not target:
-        raise PlanError("an engine has no registered workers")
-    mine, theirs = initiator[0], target[0]
+    mine, theirs = first_workers(initiator, target)
     here, there = names
     if initiator_tp % target_tp and target_tp % initiator_tp:
         raise PlanError(f"TP sizes {initiator_tp} and {target_tp} do not divide one another")
-    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
-        if a and b and a != b:
-            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
+    check_kv_elements(mine, theirs, names)
     if mine.block_size != theirs.block_size:
         raise PlanError(
             f"block sizes differ ({mine.block_size} tokens {here} vs {theirs.block_size} {there}) and the layouts "
@@ -78,3 +74,20 @@ def check_compatible(
                         f"region {region_a.name!r}: {region_a.block_len}-byte blocks (TP {initiator_tp}) do not "
                         f"map onto {region_b.block_len}-byte blocks (TP {target_tp})"
                     )
+
+
+def first_workers(
+    initiator: Sequence[WorkerLayout], target: Sequence[WorkerLayout]
+) -> tuple[WorkerLayout, WorkerLayout]:
+    """Each engine's first worker (their geometry is the engine's); PlanError if one has none."""
+    if not initiator or not target:
+        raise PlanError("an engine has no registered workers")
+    return initiator[0], target[0]
+
+
+def check_kv_elements(mine: WorkerLayout, theirs: WorkerLayout, names: tuple[str, str]) -> None:
+    """What no plan converts: the KV element type and the head size (each side's name in ``names``)."""
+    here, there = names
+    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
+        if a and b and a != b:
+            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")

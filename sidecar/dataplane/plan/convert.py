@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sidecar.dataplane.plan.compatible import check_compatible
+from sidecar.dataplane.plan.compatible import check_compatible, check_kv_elements, first_workers
 from sidecar.dataplane.plan.descriptors import physical_block_ids
 from sidecar.dataplane.plan.layout import BlockIds, PlanError, RegionLayout, WorkerLayout
 
@@ -278,14 +278,10 @@ def check_convertible(
     """Raise PlanError unless the plans of this module can move KV between the two engines. The
     message names both sides' values, each followed by its name in ``names`` (initiator, target)."""
     here, there = names
-    if not initiator or not target:
-        raise PlanError("an engine has no registered workers")
-    mine, theirs = initiator[0], target[0]
+    mine, theirs = first_workers(initiator, target)
     if initiator_tp % target_tp and target_tp % initiator_tp:
         raise PlanError(f"TP sizes {initiator_tp} {here} and {target_tp} {there} do not divide one another")
-    for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
-        if a and b and a != b:
-            raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
+    check_kv_elements(mine, theirs, names)
     if mine.total_num_kv_heads != theirs.total_num_kv_heads:
         raise PlanError(
             f"the models have {mine.total_num_kv_heads} KV heads {here} and {theirs.total_num_kv_heads} {there}"
