@@ -231,6 +231,23 @@ class Span:
     target_first: int
 
 
+@dataclass(frozen=True)
+class ConvertedMove:
+    """One (initiator worker, target worker) pair's part of a converted transfer: ``op`` between
+    ``local`` and ``remote`` over tokens ``span``, then ``payload`` notifies ``other``;
+    ``deadline`` and ``not_after`` as in ``TransferSpec``."""
+
+    op: str
+    worker: LocalWorker
+    other: WorkerView
+    local: Side
+    remote: Side
+    span: Span
+    payload: bytes
+    deadline: float
+    not_after: float | None
+
+
 class DataPlane:
     """Plans and posts one request's transfers between a local engine and an ``EngineView``."""
 
@@ -279,7 +296,8 @@ class DataPlane:
                         worker.layout, single_group(job.initiator_blocks, "the local engine"), span.initiator_first
                     )
                     remote = Side(other.layout, single_group(job.target_blocks, "the peer"), span.target_first)
-                    jobs.append(self._traced_converted(job, worker, other, local, remote, span, payload, deadline))
+                    move = ConvertedMove(job.op, worker, other, local, remote, span, payload, deadline, job.not_after)
+                    jobs.append(self._traced_converted(job, move))
                 else:
                     local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
                     jobs.append(self._post(job, worker, other, pairing, local_ids, payload, deadline))
@@ -361,74 +379,40 @@ class DataPlane:
         first, end = transfer_span(num_tokens, len(local), mine.block_size, len(remote), theirs.block_size)
         return Span(first, end, 0, first)
 
-    async def _traced_converted(
-        self,
-        job: TransferJob,
-        worker: LocalWorker,
-        other: WorkerView,
-        local: Side,
-        remote: Side,
-        span: Span,
-        payload: bytes,
-        deadline: float,
-    ) -> TransferResult:
-        job.on_step(
-            "posted",
-            f"{job.op} {worker.agent_name} -> {other.agent.name} (converted, tokens {span.first}..{span.end - 1})",
-        )
-        result = await self._post_converted(
-            job.op, worker, other, local, remote, span, payload, deadline, job.not_after
-        )
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result))
+    async def _traced_converted(self, job: TransferJob, move: ConvertedMove) -> TransferResult:
+        span, mine, theirs = move.span, move.worker.agent_name, move.other.agent.name
+        job.on_step("posted", f"{job.op} {mine} -> {theirs} (converted, tokens {span.first}..{span.end - 1})")
+        result = await self._post_converted(move)
+        job.on_step("nixl_completion", _describe(job.op, mine, result), _measured(result))
         return result
 
-    async def _post_converted(
-        self,
-        op: str,
-        worker: LocalWorker,
-        other: WorkerView,
-        local: Side,
-        remote: Side,
-        span: Span,
-        payload: bytes,
-        deadline: float,
-        not_after: float | None,
-    ) -> TransferResult:
-        source, dest = (remote, local) if op == "READ" else (local, remote)
+    async def _post_converted(self, move: ConvertedMove) -> TransferResult:
+        op, worker, other, span = move.op, move.worker, move.other, move.span
+        source, dest = (move.remote, move.local) if op == "READ" else (move.local, move.remote)
         shapes = [block_shape(side.worker, side.worker.regions[0]) for side in (source, dest)]
         if worker.mem_type == "DRAM" and predicted_run_bytes(*shapes) < self.staging_below_bytes:
             try:
-                return await self._staged(op, worker, other, local, remote, span, payload, deadline, not_after)
+                return await self._staged(move)
             except (PlanError, ValueError, IndexError) as exc:  # a plan or a copy that does not fit
                 return TransferResult(False, f"conversion failed: {exc}")
         src, dst = run_descriptors(source, dest, span.first, span.end)
         if not len(src):
-            return await self._notify_only(worker, other, payload)
+            return await self._notify_only(worker, other, move.payload)
         mine, theirs = (dst, src) if op == "READ" else (src, dst)
         return await self._transport.transfer_runs(
             RunsSpec(
-                worker.agent_name, op, other.agent, mine, worker.mem_type, theirs, other.mem_type, payload, deadline,
-                not_after,
+                worker.agent_name, op, other.agent, mine, worker.mem_type, theirs, other.mem_type, move.payload,
+                move.deadline, move.not_after,
             )
         )  # fmt: skip
 
-    async def _staged(
-        self,
-        op: str,
-        worker: LocalWorker,
-        other: WorkerView,
-        local: Side,
-        remote: Side,
-        span: Span,
-        payload: bytes,
-        deadline: float,
-        not_after: float | None,
-    ) -> TransferResult:
+    async def _staged(self, move: ConvertedMove) -> TransferResult:
         """Move whole blocks between the peer and a staging buffer in the peer's layout and block
         size (restricted to the heads both workers hold); permute locally. Pipelined by groups of
         layers: NIXL moves one group while numpy permutes the next (push) or the previous (pull),
         each transfer without a notification; the notification follows once every transfer is
         DONE, so the peer never learns of data still in flight."""
+        op, worker, other, local, remote, span = move.op, move.worker, move.other, move.local, move.remote, move.span
         region = remote.worker.regions[0]
         shape = block_shape(remote.worker, region)
         head_first, head_end = shared_heads(block_shape(local.worker, local.worker.regions[0]), shape)
@@ -448,8 +432,9 @@ class DataPlane:
                 src, dst = run_descriptors(_part(source, group), _part(dest, group), span.first, span.end)
                 mine, theirs = (dst, src) if op == "READ" else (src, dst)
                 spec = RunsSpec(
-                    worker.agent_name, op, other.agent, mine, "DRAM", theirs, other.mem_type, b"", deadline, not_after
-                )
+                    worker.agent_name, op, other.agent, mine, "DRAM", theirs, other.mem_type, b"", move.deadline,
+                    move.not_after,
+                )  # fmt: skip
                 in_flight.append(asyncio.ensure_future(self._transport.transfer_runs(spec)))
 
             async def permute(group: range) -> None:
@@ -479,7 +464,7 @@ class DataPlane:
         failed = [result for result in results if not result.ok]
         if failed:
             return failed[0]
-        notified = await self._notify_only(worker, other, payload)
+        notified = await self._notify_only(worker, other, move.payload)
         return TransferResult(
             notified.ok,
             notified.error,
