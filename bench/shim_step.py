@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEDULER_HOOKS = (
@@ -256,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sidecar-socket", help="use this sidecar instead of starting one")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    # Here, not at import: tests import this module's builders, and a logging level set in their
+    # process would reach every vLLM server they start later (their environment is a copy).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     from sidecar.tools.launcher import DaemonProcess
     from tests.support.tiny_models import build_tiny_llama

@@ -7,15 +7,34 @@ engine is started."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine_shim.vllm.stats import SidecarKVConnectorStats, build
 from kvsidecar.v1 import engine_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_importing_the_benchmarks_builders_leaves_the_environment_of_later_vllm_servers_alone() -> None:
+    """vLLM prints its "KV Transfer metrics" line at INFO. ``bench/shim_step.py`` set
+    VLLM_LOGGING_LEVEL=ERROR when imported, and tests import its builders: from then on every vLLM
+    server the test session started (its environment a copy of the session's) logged no stats
+    line (test_vllm_e2e.py's proxy test waited 15 s for D's and failed in the full suite)."""
+    code = "import os; before = dict(os.environ); import bench.shim_step; print(dict(os.environ) == before)"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True", "importing bench.shim_step changed os.environ"
 
 
 def test_stage_timings_survive_take_aggregate_and_reduce() -> None:
