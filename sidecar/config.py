@@ -96,6 +96,11 @@ class NixlSettings(BaseModel):
     # Longest sleep between two progress polls while transfers or notifications are expected. The
     # owner thread polls right away after activity and backs off to this; idle it does not poll.
     poll_interval_max_ms: float = Field(default=1.0, gt=0.0, le=100.0)
+    # Largest post to NIXL: bigger transfers go in chunks of about this many bytes, interleaved
+    # with other requests' posts (between processes on one host each copy runs inside the post, on
+    # the owner thread, so a small request would otherwise wait for a whole large copy). 0 = never
+    # split.
+    max_post_bytes: int = Field(default=4 << 20, ge=0)
     # Pre-fault shared-memory mappings at registration (first writes into untouched pages are slow).
     populate_mappings: bool = True
     # Liveness of the owner thread: a no-op is sent every probe interval; one unanswered for

@@ -74,10 +74,16 @@ def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_pat
         assert row["bytes"] == row["block_bytes"] * row["blocks"]
         assert row["gbps"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
         assert row["requests"] >= 1
-    transfer_rows = [row for row in rows if not row["scenario"].startswith("control-plane")]
+    transfer_rows = [row for row in rows if not row["scenario"].startswith(("control-plane", "mixed-"))]
     raw = {row["scenario"]: row["gbps"] for row in transfer_rows if row["path"] == "raw-nixl"}
     for row in transfer_rows:
         assert abs(row["ratio_vs_raw_nixl"] - row["gbps"] / raw[row["scenario"]]) < 1e-9
+    # Small requests behind large ones, with NIXL posts split (the default) and one post each.
+    mixed = [row for row in rows if row["scenario"].startswith("mixed-")]
+    assert {(row["extra"]["split"], row["path"]) for row in mixed} == {
+        (label, f"kvsidecar-{mode}") for label in ("split", "one-post") for mode in ("push", "pull")
+    }
+    assert all(row["extra"]["large_requests"] >= 1 for row in mixed)
     control = [row for row in rows if row["scenario"].startswith("control-plane")]
     assert {row["extra"]["target_rps"] for row in control} == {1.0, 100.0, 1000.0}
     # The control path (latency minus NIXL's own transfer time) of every traced request, and the

@@ -99,3 +99,59 @@ def test_a_refused_post_is_a_failed_result_not_an_exception() -> None:
         await transport.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_large_transfer_goes_in_chunks_and_a_small_one_is_not_held_behind_it() -> None:
+    """Over CMA each copy runs inside NIXL's post on the owner thread: a large transfer is posted
+    in bounded chunks, round robin with other requests' posts, so a small transfer queued behind it
+    completes first. The large one's bytes all arrive, and its notification only once, at the end."""
+    big_blocks, big_len = 128, 256 << 10  # 32 MiB in 128 chunks of 256 KiB
+
+    async def scenario() -> None:
+        notes: list[tuple[str, bytes]] = []
+        finished: list[int] = []  # bytes of each transfer, in the order the owner thread ended them
+        transport = NixlTransport(
+            NixlSettings(max_post_bytes=big_len), notes.extend, lambda op, result: finished.append(result.bytes)
+        )
+        transport.start(asyncio.get_running_loop())
+        size = big_blocks * big_len
+        with SharedBuffer(size, populate=True) as source, SharedBuffer(size, populate=True) as target:
+            source.array[:] = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+            src, dst = (
+                WorkerLayout(0, 0, (RegionLayout("l0", buffer.array.ctypes.data, big_len, big_len, 0),), big_blocks,
+                             1, 16, "LBHNC", 1, 1, False)
+                for buffer in (source, target)
+            )  # fmt: skip
+            meta_dst = await transport.create_agent("dst", [(target.array.ctypes.data, size, 0)], "DRAM")
+            await transport.create_agent("src", [(source.array.ctypes.data, size, 0)], "DRAM")
+            transport.expect_notifications(1)
+            src_list = DlistSpec("whole", lambda: view_descriptors(src, Slice()))
+            dst_list = DlistSpec("whole", lambda: view_descriptors(dst, Slice()))
+
+            def write(blocks: list[int], note: bytes) -> TransferSpec:
+                ids = (tuple(blocks),)
+                return TransferSpec("src", "WRITE", RemoteAgent("dst", meta_dst), src_list,
+                                    descriptor_indices(src, ids), dst_list, descriptor_indices(dst, ids), note,
+                                    time.monotonic() + 30)  # fmt: skip
+
+            large = asyncio.ensure_future(transport.transfer(write(list(range(1, big_blocks)), b"large")))
+            await asyncio.sleep(0)  # the large transfer's post is queued first
+            small = await transport.transfer(write([0], b"small"))
+            assert small.ok, small.error
+            result = await large
+            assert result.ok, result.error
+            assert result.bytes == (big_blocks - 1) * big_len
+            assert finished == [big_len, (big_blocks - 1) * big_len], "the small transfer waited for the large one"
+            assert np.array_equal(source.array, target.array)
+            deadline = time.monotonic() + 5
+            while len(notes) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert sorted(payload for _, payload in notes) == [b"large", b"small"]  # one each, none per chunk
+            transport.expect_notifications(-1)
+            assert transport.in_flight == 0
+            await transport.drop_agent("src")
+            await transport.drop_agent("dst")
+        await transport.stop()
+
+    asyncio.run(scenario())

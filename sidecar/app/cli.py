@@ -201,13 +201,19 @@ def _add_bench(subparsers: Any) -> None:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
     parser.add_argument("--png", type=Path, default=None, help="also plot GB/s per scenario and path")
     parser.add_argument("--quick", action="store_true", help="a subset that runs in under a minute")
+    parser.add_argument(
+        "--only",
+        default="transfers,control,mixed",
+        help="comma-separated sections to run: transfers (paths side by side), control (open-loop 1-block "
+        "requests), mixed (small requests behind large ones, split and unsplit NIXL posts); default: all",
+    )
     parser.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from sidecar.tools.bench import main_bench
 
-    return main_bench(args.json, args.png, args.quick)
+    return main_bench(args.json, args.png, args.quick, [name for name in args.only.split(",") if name])
 
 
 def build_parser() -> argparse.ArgumentParser:

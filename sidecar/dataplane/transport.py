@@ -16,6 +16,14 @@ Threads:
 - Notifications are handed to the loop through ``on_notifications`` with
   ``loop.call_soon_threadsafe``, in batches.
 
+Large transfers are posted in chunks of at most ``max_post_bytes`` (``_Split``). Between two
+processes on one host UCX copies by CMA inside ``agent.transfer()``, on this thread, so one 128 MiB
+post held every other request's post (and its completion) for the whole copy. Chunks of different
+requests are posted round robin, with the command queue drained between two chunks: a small
+request waits for at most one chunk's copy. Only the last chunk carries the notification, and it is
+posted only once every other chunk is DONE, so a peer never learns of data still in flight; every
+chunk is checked against the transfer's deadline and ``not_after`` before it is posted.
+
 NIXL has no timeouts of its own: every transfer carries a deadline enforced here. A transfer
 that cannot be cancelled at its deadline keeps its handle (and therefore its blocks) until NIXL
 releases it; its waiter learns the outcome only then, because handing the blocks back while the
@@ -40,6 +48,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,8 +124,34 @@ class _Agent:
     agent: Any
     registrations: list[Any] = field(default_factory=list)
     dlists: dict[tuple[str, Hashable], Any] = field(default_factory=dict)
+    # Byte length of each descriptor of a prepared list (same keys as ``dlists``): splits posts.
+    lengths: dict[tuple[str, Hashable], np.ndarray] = field(default_factory=dict)
     remotes: dict[str, bytes] = field(default_factory=dict)
     staging: list[Staging] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Split:
+    """A transfer posted as ``chunks`` bounded posts (see the module docstring). ``make(i)``
+    creates chunk ``i``'s handle; the last one carries the notification."""
+
+    state: _Agent
+    agent_name: str
+    remote_name: str
+    op: str
+    deadline: float
+    not_after: float | None
+    future: concurrent.futures.Future[TransferResult]
+    make: Callable[[int], Any]
+    chunks: int
+    posted: int = 0
+    outstanding: int = 0
+    total: TransferResult = field(default_factory=lambda: TransferResult(True))
+    failure: TransferResult | None = None
+
+    def ready(self) -> bool:
+        """Whether a chunk may be posted now: the last one only once every other is DONE."""
+        return self.failure is None and (self.posted < self.chunks - 1 or self.outstanding == 0)
 
 
 @dataclass
@@ -128,6 +163,7 @@ class _InFlight:
     future: concurrent.futures.Future[TransferResult]
     started: float
     cancel_reason: str = ""
+    split: _Split | None = None  # the transfer this post is a chunk of
 
 
 class NixlTransport:
@@ -147,6 +183,7 @@ class NixlTransport:
         self._agents: dict[str, _Agent] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._stuck: dict[int, _InFlight] = {}
+        self._splits: deque[_Split] = deque()  # transfers with chunks left to post, round robin
         self._ids = itertools.count()
         self._expecting = 0
         self._warm_until = 0.0
@@ -244,6 +281,8 @@ class NixlTransport:
         while True:
             if not self._is_active():
                 item = self._commands.get()  # nothing in flight or expected: sleep until told
+            elif self._splits and any(split.ready() for split in self._splits):
+                item = self._next_command()  # a chunk is ready: take what is queued, do not sleep
             else:
                 hot = time.monotonic() - last_activity < _HOT_WINDOW_S
                 try:
@@ -261,6 +300,8 @@ class NixlTransport:
                 except queue.Empty:
                     item = _NOTHING
             progressed = self._poll() if self._is_active() else False
+            if self._splits:
+                progressed = self._post_next_chunk() or progressed
             now = time.monotonic()
             if worked or progressed:
                 last_activity = now
@@ -270,8 +311,16 @@ class NixlTransport:
             else:
                 delay = min(delay * 2, self._settings.poll_interval_max_ms / 1000.0)
 
+    def _next_command(self) -> Any:
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return _NOTHING
+
     def _is_active(self) -> bool:
-        return bool(self._in_flight or self._stuck or self._expecting > 0 or time.monotonic() < self._warm_until)
+        return bool(
+            self._in_flight or self._stuck or self._splits or self._expecting > 0 or time.monotonic() < self._warm_until
+        )
 
     @staticmethod
     def _execute(function: Callable[..., Any], args: tuple[Any, ...], future: concurrent.futures.Future[Any]) -> None:
@@ -332,7 +381,11 @@ class NixlTransport:
             if self._try_release(xfer):
                 del self._stuck[xfer_id]
                 log.warning("nixl_transfer_released_late", agent=xfer.agent_name, op=xfer.op)
-                self._complete(xfer.future, TransferResult(False, xfer.cancel_reason or "transfer failed"))
+                failed = TransferResult(False, xfer.cancel_reason or "transfer failed")
+                if xfer.split is not None:
+                    self._chunk_done(xfer.split, failed)
+                else:
+                    self._complete(xfer.future, failed)
                 progressed = True
         return progressed
 
@@ -364,9 +417,118 @@ class NixlTransport:
             xfer.cancel_reason = result.error or "transfer could not be released"
             self._stuck[xfer_id] = xfer
             return
+        if xfer.split is not None:
+            self._chunk_done(xfer.split, result)
+            return
         if self._on_xfer_done is not None:
             self._on_xfer_done(xfer.op, result)
         self._complete(xfer.future, result)
+
+    # --- split transfers (owner thread) ----------------------------------------------------------
+
+    def _post_next_chunk(self) -> bool:
+        """Post one chunk of the first split transfer that has one ready, then move that transfer
+        to the back of the queue (round robin). Returns whether a chunk was posted."""
+        for _ in range(len(self._splits)):
+            split = self._splits.popleft()
+            if not split.ready():
+                self._splits.append(split)
+                continue
+            now = time.monotonic()
+            if split.not_after is not None and now > split.not_after:
+                self._fail_split(split, "not posted: the producer's lease already ended")
+                return True
+            if now > split.deadline:
+                self._fail_split(split, f"{split.op} did not complete within its deadline")
+                return True
+            index = split.posted
+            split.posted += 1
+            try:
+                handle = split.make(index)
+            except Exception as exc:
+                split.posted -= 1
+                self._fail_split(split, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
+                return True
+            if split.posted < split.chunks:
+                self._splits.append(split)
+            split.outstanding += 1
+            self._launch(split.state, split.agent_name, split.op, handle, split.deadline, split.future, now, split)
+            return True
+        return False
+
+    def _chunk_done(self, split: _Split, result: TransferResult) -> None:
+        split.outstanding -= 1
+        if result.ok:
+            total = split.total
+            total.bytes += result.bytes
+            total.descriptors += result.descriptors
+            total.duration_s += result.duration_s
+            total.post_s += result.post_s
+        elif split.failure is None:
+            split.failure = result
+        self._end_split_if_done(split)
+
+    def _fail_split(self, split: _Split, reason: str, peer_gone: bool = False) -> None:
+        """No more chunks of ``split`` are posted; it ends once its posted chunks have."""
+        if split.failure is None:
+            split.failure = TransferResult(False, reason, peer_gone=peer_gone)
+        self._end_split_if_done(split)
+
+    def _end_split_if_done(self, split: _Split) -> None:
+        if split.outstanding or (split.failure is None and split.posted < split.chunks):
+            return
+        if split in self._splits:
+            self._splits.remove(split)
+        result = split.failure or split.total
+        if self._on_xfer_done is not None:
+            self._on_xfer_done(split.op, result)
+        self._complete(split.future, result)
+
+    def _fail_splits(self, reason: str, state: _Agent | None = None, remote_name: str | None = None) -> None:
+        """Stop the split transfers of ``state`` (to ``remote_name``), or all: their agent, remote
+        metadata or prepared lists are about to go, and a later chunk must not use them."""
+        for split in list(self._splits):
+            if (state is None or split.state is state) and (remote_name is None or split.remote_name == remote_name):
+                self._fail_split(split, reason)
+
+    def _split(
+        self,
+        state: _Agent,
+        agent_name: str,
+        remote_name: str,
+        spec: TransferSpec | RunsSpec,
+        future: concurrent.futures.Future[TransferResult],
+        sizes: np.ndarray,
+        make: Callable[[np.ndarray, bytes], Any],
+    ) -> _Split | None:
+        """A ``_Split`` over the descriptors whose byte lengths are ``sizes`` (``make(rows,
+        notification)`` creates the handle of a chunk of rows), or None when one post is enough."""
+        limit = self._settings.max_post_bytes
+        if not limit or len(sizes) < 2:
+            return None
+        starts = np.cumsum(sizes, dtype=np.int64) - sizes
+        cuts = np.flatnonzero(np.diff(starts // limit)) + 1  # a chunk per window of `limit` bytes
+        if not len(cuts):
+            return None
+        rows = np.split(np.arange(len(sizes)), cuts)
+        last = len(rows) - 1
+        notification = spec.notification
+        return _Split(
+            state,
+            agent_name,
+            remote_name,
+            spec.op,
+            spec.deadline,
+            spec.not_after,
+            future,
+            lambda index: make(rows[index], notification if index == last else b""),
+            len(rows),
+        )
+
+    def _start_split(self, split: _Split) -> object:
+        self._splits.append(split)
+        self._post_next_chunk()
+        return _DEFERRED
 
     @staticmethod
     def _try_release(xfer: _InFlight) -> bool:
@@ -411,6 +573,8 @@ class NixlTransport:
 
     def _drop_agent(self, name: str) -> None:
         state = self._agents.pop(name, None)
+        if state is not None:
+            self._fail_splits("the worker was unregistered", state)
         for other in self._agents.values():
             if name in other.remotes:
                 self._unload(other, name)
@@ -422,6 +586,7 @@ class NixlTransport:
         for handle in state.dlists.values():
             _quietly(handle.release)
         state.dlists.clear()
+        state.lengths.clear()
         for remote in list(state.remotes):
             _quietly(state.agent.remove_remote_agent, remote)
         for registration in state.registrations:
@@ -438,7 +603,9 @@ class NixlTransport:
                     self._unload(state, name)
 
     def _unload(self, state: _Agent, remote_name: str) -> None:
+        self._fail_splits(f"the remote agent {remote_name} was unloaded", state, remote_name)
         for key in [key for key in state.dlists if key[0] == remote_name]:
+            state.lengths.pop(key, None)
             _quietly(state.dlists.pop(key).release)
         _quietly(state.agent.remove_remote_agent, remote_name)
         state.remotes.pop(remote_name, None)
@@ -460,8 +627,10 @@ class NixlTransport:
         slot = (target, spec.key)
         handle = state.dlists.get(slot)
         if handle is None:
-            handle = state.agent.prep_xfer_dlist(target, spec.build(), spec.mem_type)
+            descriptors = spec.build()
+            handle = state.agent.prep_xfer_dlist(target, descriptors, spec.mem_type)
             state.dlists[slot] = handle
+            state.lengths[slot] = np.asarray(descriptors[:, 1], dtype=np.int64) if len(descriptors) else np.zeros(0)
         return handle
 
     def _post(self, spec: TransferSpec, future: concurrent.futures.Future[TransferResult]) -> object:
@@ -479,8 +648,19 @@ class NixlTransport:
             self._ensure_remote(state, remote)
             local_handle = self._dlist(state, _LOCAL, spec.local_list)
             remote_handle = self._dlist(state, remote.name, spec.remote_list)
+            local_indices, remote_indices = spec.local_indices, spec.remote_indices
+
+            def make(rows: np.ndarray, notification: bytes) -> Any:
+                return state.agent.make_prepped_xfer(
+                    op, local_handle, local_indices[rows], remote_handle, remote_indices[rows], notif_msg=notification
+                )
+
+            sizes = state.lengths[(_LOCAL, spec.local_list.key)][local_indices]
+            split = self._split(state, agent_name, remote.name, spec, future, sizes, make)
+            if split is not None:
+                return self._start_split(split)
             handle = state.agent.make_prepped_xfer(
-                op, local_handle, spec.local_indices, remote_handle, spec.remote_indices, notif_msg=spec.notification
+                op, local_handle, local_indices, remote_handle, remote_indices, notif_msg=spec.notification
             )
         except Exception as exc:
             self._complete(
@@ -501,13 +681,20 @@ class NixlTransport:
             return _DEFERRED
         try:
             self._ensure_remote(state, spec.remote)
-            handle = state.agent.initialize_xfer(
-                spec.op,
-                state.agent.get_xfer_descs(spec.local, spec.local_mem),
-                state.agent.get_xfer_descs(spec.remote_descs, spec.remote_mem),
-                spec.remote.name,
-                notif_msg=spec.notification,
-            )
+
+            def make(rows: np.ndarray | slice, notification: bytes) -> Any:
+                return state.agent.initialize_xfer(
+                    spec.op,
+                    state.agent.get_xfer_descs(spec.local[rows], spec.local_mem),
+                    state.agent.get_xfer_descs(spec.remote_descs[rows], spec.remote_mem),
+                    spec.remote.name,
+                    notif_msg=notification,
+                )
+
+            split = self._split(state, spec.agent_name, spec.remote.name, spec, future, spec.local[:, 1], make)
+            if split is not None:
+                return self._start_split(split)
+            handle = make(slice(None), spec.notification)
         except Exception as exc:
             self._complete(
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
@@ -524,8 +711,9 @@ class NixlTransport:
         deadline: float,
         future: concurrent.futures.Future[TransferResult],
         now: float,
+        split: _Split | None = None,
     ) -> object:
-        xfer = _InFlight(agent_name, handle, op, deadline, future, now)
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
@@ -582,6 +770,7 @@ class NixlTransport:
         self._warm_until = max(self._warm_until, until)
 
     def _shutdown_all(self) -> None:
+        self._fail_splits("the sidecar is shutting down")
         for xfer_id in list(self._in_flight):
             self._finish(xfer_id, TransferResult(False, "the sidecar is shutting down"))
         for name in list(self._agents):

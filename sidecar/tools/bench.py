@@ -13,6 +13,11 @@ memory:
   transport between two processes (and what vLLM's in-engine connector does between P and D);
 - ``memcpy``: ``numpy.copyto`` of the same bytes in this process (the machine's limit).
 
+Then the *mixed* load: large requests back to back in two streams while 1-block requests arrive
+open loop, once with NIXL posts split into chunks (``nixl.max_post_bytes``, the default) and once
+with one post per transfer, each on its own pair of sidecars: p50/p99 of the small requests say
+how long one waits behind another request's copy.
+
 Each scenario runs several times; a row reports latency percentiles over every request, GB/s as
 the median over runs, and the ratio to raw NIXL measured in the same invocation. Before the last
 run of a scenario the destination is overwritten, and afterwards compared with the source, so a
@@ -350,6 +355,97 @@ def control_path(pair: TransferPair) -> dict[str, Any]:
     }
 
 
+def mixed_load(pair: TransferPair, mode: str, label: str, large_blocks: int, small_count: int) -> Row:
+    """Two streams of ``large_blocks``-block requests back to back while ``small_count`` 1-block
+    requests start open loop at ``MIXED_SMALL_RPS``; latencies are the small requests'."""
+    transfer = pair.push if mode == "push" else pair.pull
+    pool = pair.layout.num_blocks
+    large_src, large_dst = list(range(large_blocks)), list(range(large_blocks, 2 * large_blocks))
+    small_src, small_dst = [pool - 2], [pool - 1]
+    transfer(large_src, large_dst)  # warm-up: prepared lists, connections, page faults
+    transfer(small_src, small_dst)
+    stop = threading.Event()
+    large: list[float] = []
+    small: list[float] = []
+    lock = threading.Lock()
+
+    def stream() -> None:
+        while not stop.is_set():
+            latency = transfer(large_src, large_dst)
+            with lock:
+                large.append(latency)
+
+    def one() -> None:
+        latency = transfer(small_src, small_dst)
+        with lock:
+            small.append(latency)
+
+    pair.poison(large_dst + small_dst)
+    streams = [threading.Thread(target=stream, daemon=True) for _ in range(MIXED_STREAMS)]
+    for thread in streams:
+        thread.start()
+    time.sleep(0.05)  # both streams are moving
+    started = time.perf_counter()
+    with ThreadPoolExecutor(16) as executor:
+        futures = []
+        for index in range(small_count):
+            delay = started + index / MIXED_SMALL_RPS - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(executor.submit(one))
+        for future in futures:
+            future.result()
+    elapsed = time.perf_counter() - started
+    stop.set()
+    for thread in streams:
+        thread.join(pair.request_timeout)
+    block = pair.layout.block_len
+    return Row(
+        scenario=f"mixed-{block // KIB}KiBx{large_blocks}+1-{label}",
+        path=f"kvsidecar-{mode}",
+        bytes=block,
+        p50_ms=percentile(small, 0.5) * 1000,
+        p99_ms=percentile(small, 0.99) * 1000,
+        gbps=pair.request_bytes(large_blocks) * len(large) / elapsed / 1e9,
+        ratio_vs_raw_nixl=None,
+        requests=len(small),
+        runs=1,
+        verified=pair.verify(large_src, large_dst) and pair.verify(small_src, small_dst),
+        block_bytes=block,
+        blocks=1,
+        pattern="adjacent",
+        concurrency=MIXED_STREAMS,
+        extra={
+            "large_bytes": pair.request_bytes(large_blocks),
+            "large_requests": len(large),
+            "large_p50_ms": percentile(large, 0.5) * 1000 if large else None,
+            "small_rps": small_count / elapsed,
+            "split": label,
+        },
+    )
+
+
+MIXED_STREAMS = 2
+MIXED_SMALL_RPS = 50.0
+# (label, sidecar settings) of the mixed load: the default split posts, and one post per transfer.
+MIXED_VARIANTS = (("split", ()), ("one-post", ("--set", "nixl.max_post_bytes=0")))
+SECTIONS = ("transfers", "control", "mixed")
+
+
+def run_mixed(quick: bool, progress: Callable[[str], None]) -> list[Row]:
+    large_blocks = 256 if quick else 1024  # 16 / 64 MiB of 64 KiB blocks
+    small_count = 20 if quick else 100
+    layout = KvLayout(1, 2 * large_blocks + 8, 64 * KIB)
+    rows = []
+    for label, args in MIXED_VARIANTS:
+        with TransferPair(layout, sidecar_args=args) as pair:
+            pair.fill_producer(seed=7)
+            for mode in ("push", "pull"):
+                progress(f"mixed load {label} {mode}")
+                rows.append(mixed_load(pair, mode, label, large_blocks, small_count))
+    return rows
+
+
 def scenarios(quick: bool) -> dict[int, list[Scenario]]:
     sizes = [64 * KIB] if quick else [16 * KIB, 64 * KIB, MIB]
     counts = [1, 64] if quick else [1, 64, 1024]
@@ -366,28 +462,35 @@ def scenarios(quick: bool) -> dict[int, list[Scenario]]:
     return plan
 
 
-def run_bench(json_path: Path, png_path: Path | None, quick: bool, progress: Callable[[str], None]) -> list[Row]:
+def run_bench(
+    json_path: Path,
+    png_path: Path | None,
+    quick: bool,
+    progress: Callable[[str], None],
+    sections: Sequence[str] = SECTIONS,
+) -> list[Row]:
     runs = 3 if quick else 5
     run_bytes = 16 * MIB if quick else 128 * MIB
     rows: list[Row] = []
     for block_bytes, plan in scenarios(quick).items():
+        control = block_bytes == 64 * KIB and "control" in sections
+        if "transfers" not in sections and not control:
+            continue
         max_blocks = max(s.blocks for s in plan)
         layout = KvLayout(1, max(256, 2 * max_blocks), block_bytes)
         with TransferPair(layout) as pair, TransferPair(layout, same_node=True) as local_pair:
             pair.fill_producer(seed=block_bytes)
             local_pair.fill_producer(seed=block_bytes)
-            raw = RawNixl(pair)
-            raw_2proc = RawNixl(pair, separate_process=True)
+            raws = [RawNixl(pair), RawNixl(pair, separate_process=True)] if "transfers" in sections else []
             paths = {
                 "kvsidecar-push": (pair, _kvsidecar_path(pair, "push")),
                 "kvsidecar-pull": (pair, _kvsidecar_path(pair, "pull")),
                 "kvsidecar-push-same-node": (local_pair, _kvsidecar_path(local_pair, "push")),
-                "raw-nixl": (pair, raw.transfer),
-                "raw-nixl-2proc": (pair, raw_2proc.transfer),
+                **({"raw-nixl": (pair, raws[0].transfer), "raw-nixl-2proc": (pair, raws[1].transfer)} if raws else {}),
                 "memcpy": (pair, memcpy_paths(pair)),
             }
             try:
-                for scenario in plan:
+                for scenario in plan if raws else []:
                     found = {}
                     for name, (owner, path) in paths.items():
                         progress(f"{scenario.name} {name}")
@@ -398,7 +501,7 @@ def run_bench(json_path: Path, png_path: Path | None, quick: bool, progress: Cal
                         row.ratio_vs_raw_nixl = row.gbps / floor if floor else None
                         row.extra["ratio_vs_raw_nixl_2proc"] = row.gbps / floor_2proc if floor_2proc else None
                     rows.extend(found.values())
-                if block_bytes == 64 * KIB:
+                if control:
                     rates = [1.0, 100.0, 1000.0]
                     counts = [3, 50, 200] if quick else [10, 300, 2000]
                     for rate, count in zip(rates, counts, strict=True):
@@ -406,8 +509,10 @@ def run_bench(json_path: Path, png_path: Path | None, quick: bool, progress: Cal
                             progress(f"control plane {rate:g} rps {mode}")
                             rows.append(control_plane(pair, mode, rate, count))
             finally:
-                raw.close()
-                raw_2proc.close()
+                for raw in raws:
+                    raw.close()
+    if "mixed" in sections:
+        rows.extend(run_mixed(quick, progress))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps([asdict(row) for row in rows], indent=2))
     if png_path is not None:
@@ -421,7 +526,7 @@ def plot(rows: list[Row], png_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = [row for row in rows if not row.scenario.startswith("control-plane")]
+    data = [row for row in rows if row.ratio_vs_raw_nixl is not None]
     scenario_names = list(dict.fromkeys(row.scenario for row in data))
     paths = list(dict.fromkeys(row.path for row in data))
     width = 0.8 / max(len(paths), 1)
@@ -473,12 +578,17 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main_bench(json_path: Path, png_path: Path | None, quick: bool) -> int:
+def main_bench(json_path: Path, png_path: Path | None, quick: bool, sections: Sequence[str] = SECTIONS) -> int:
     def progress(message: str) -> None:
         print(f"  {message}", file=sys.stderr, flush=True)
 
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        print(f"kvsidecar bench: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        return 2
+
     started = time.monotonic()
-    rows = run_bench(json_path, png_path, quick, progress)
+    rows = run_bench(json_path, png_path, quick, progress, sections)
     print(render(rows))
     print(
         f"\n{len(rows)} rows in {time.monotonic() - started:.0f}s -> {json_path}"
