@@ -3,10 +3,13 @@
 Pure logic (no I/O, no clock): ``stage_durations`` reads a finished ``Timeline`` of the trace
 recorder and attributes each gap between consecutive events to the stage that the later event
 ends, so the stages of a request sum to its total on this sidecar (first event -> terminal
-event). A NIXL completion carries NIXL's own post and transfer times; the rest of the
-post -> completion gap is the hand-off to and from the NIXL owner thread and its polling
-(``nixl_handoff``). ``control`` is the total minus NIXL's transfer time: what kvsidecar adds
-around the bytes (issue #10's control path).
+event). A NIXL completion carries NIXL's own times: its transfer time runs from the start of its
+post to completion and so includes the post (on one host UCX copies by CMA inside the post, so
+the post is most of it); the stages split it into ``nixl_post`` (inside the post call) and
+``nixl_transfer`` (the rest, after the post returned). The rest of the post -> completion gap is
+the hand-off to and from the NIXL owner thread and its polling (``nixl_handoff``). ``control`` is
+the total minus NIXL's time (post and transfer): what kvsidecar adds around the bytes (issue
+#10's control path).
 
 Stages, by the event that ends them (see README "Request timeline"):
 
@@ -19,13 +22,14 @@ wait_consumer         producer: the consumer's first heartbeat (pull; includes D
 wait_match            producer: the consumer's PushReg matched this submission (push)
 handshake             the peer's engine view is known (a cached handshake is ~0)
 descriptor_prep       the data plane posts: block -> descriptor indices, pairing of ranks
-nixl_post             NIXL's post (prep + postXferReq), as NIXL's telemetry measured it
-nixl_transfer         NIXL's transfer, as NIXL's telemetry measured it
+nixl_post             NIXL's post call (postXferReq), as NIXL's telemetry measured it; on one host
+                      the CMA copy itself
+nixl_transfer         the rest of NIXL's transfer time (its telemetry's, which starts at the post)
 nixl_handoff          the rest of post -> completion: owner-thread queueing, polling, hand-back
 wait_notification     the other side's NIXL operation completed (push consumer / pull producer)
 complete              the terminal event was decided and queued for the engine
 total                 first event -> terminal event on this sidecar
-control               total - nixl_transfer (only where this sidecar ran the transfer)
+control               total - nixl_post - nixl_transfer (only where this sidecar ran the transfer)
 ====================  ==========================================================================
 
 Called on the event loop thread by the trace recorder's ``on_done``.
@@ -85,9 +89,11 @@ def stage_durations(timeline: Timeline) -> dict[str, float]:
         stage = stage_of(timeline.side, event.kind)
         if stage == "nixl_handoff":
             ran_nixl = True
-            # Several ranks' transfers overlap: NIXL's times are attributed up to the gap.
-            post = min(gap, event.measured.get("nixl_post", 0.0))
-            transfer = min(gap - post, event.measured.get("nixl_transfer", 0.0))
+            # Several ranks' transfers overlap: NIXL's times are attributed up to the gap. NIXL's
+            # transfer time starts at the post, so the post is a part of it, not added to it.
+            measured_post = event.measured.get("nixl_post", 0.0)
+            post = min(gap, measured_post)
+            transfer = min(gap - post, max(0.0, event.measured.get("nixl_transfer", 0.0) - measured_post))
             stages["nixl_post"] += post
             stages["nixl_transfer"] += transfer
             gap -= post + transfer
@@ -95,7 +101,7 @@ def stage_durations(timeline: Timeline) -> dict[str, float]:
     total = max(0.0, events[-1].monotonic - events[0].monotonic)
     stages["total"] = total
     if ran_nixl:
-        stages["control"] = max(0.0, total - stages["nixl_transfer"])
+        stages["control"] = max(0.0, total - stages["nixl_post"] - stages["nixl_transfer"])
     return dict(stages)
 
 
