@@ -9,7 +9,7 @@ import numpy as np
 
 from engine_shim.memory import SharedBuffer
 from sidecar.config import NixlSettings
-from sidecar.dataplane.contract import DlistSpec, RemoteAgent, TransferSpec
+from sidecar.dataplane.contract import DlistSpec, RemoteAgent, RunsSpec, TransferSpec
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import RegionLayout, Slice, WorkerLayout
 from sidecar.dataplane.transport import NixlTransport
@@ -148,6 +148,17 @@ def test_a_large_transfer_goes_in_chunks_and_a_small_one_is_not_held_behind_it()
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
             assert sorted(payload for _, payload in notes) == [b"large", b"small"]  # one each, none per chunk
+            # Explicit descriptors (a converting plan's runs) are split the same way.
+            target.array[:] = 0
+            rows = view_descriptors(src, Slice()), view_descriptors(dst, Slice())
+            runs = await transport.transfer_runs(RunsSpec("src", "WRITE", RemoteAgent("dst", meta_dst), rows[0], "DRAM",
+                                                          rows[1], "DRAM", b"runs", time.monotonic() + 30))  # fmt: skip
+            assert runs.ok and runs.bytes == size, runs
+            assert np.array_equal(source.array, target.array)
+            while len(notes) < 3 and time.monotonic() < deadline + 5:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert sorted(payload for _, payload in notes) == [b"large", b"runs", b"small"]
             transport.expect_notifications(-1)
             assert transport.in_flight == 0
             await transport.drop_agent("src")

@@ -216,7 +216,9 @@ class NixlTransport:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight) + len(self._stuck)
+        """NIXL posts in flight (a split transfer's chunks each count) plus split transfers with
+        chunks still to post (between two chunks, none of theirs may be in flight)."""
+        return len(self._in_flight) + len(self._stuck) + len(self._splits)
 
     # --- commands (called from the loop thread) ------------------------------------------------
 
@@ -506,7 +508,8 @@ class NixlTransport:
         limit = self._settings.max_post_bytes
         if not limit or len(sizes) < 2:
             return None
-        starts = np.cumsum(sizes, dtype=np.int64) - sizes
+        sizes = np.asarray(sizes, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes
         cuts = np.flatnonzero(np.diff(starts // limit)) + 1  # a chunk per window of `limit` bytes
         if not len(cuts):
             return None
