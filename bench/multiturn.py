@@ -54,6 +54,9 @@ NEW = 64  # the user's new message at turn 2 (tokens)
 # part of the measured TTFT either way.
 QUERY_TIMEOUT = 1.0
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
+# Where a reuse turn's time goes, from P's /metrics (sums of the connector's histograms, seconds):
+# the scheduler holding the request back for its lookup, and the Pull until the KV was in.
+PARTS = {"lookup_wait": "vllm:kvsidecar_multi_turn_wait_seconds_sum", "load": "vllm:kvsidecar_receive_time_seconds_sum"}
 
 
 @dataclass
@@ -85,6 +88,9 @@ def prompt_sources(url: str) -> dict[str, float]:
             for source in SOURCES:
                 if f'source="{source}"' in line:
                     found[source] += float(line.rsplit(" ", 1)[1])
+        for part, name in PARTS.items():
+            if line.startswith(name + "{"):
+                found[part] = found.get(part, 0.0) + float(line.rsplit(" ", 1)[1]) * 1000.0  # ms
     return found
 
 
@@ -135,8 +141,8 @@ class Bench:
         deadline = time.monotonic() + 15.0
         while True:  # P's metrics catch up with its last request
             after = prompt_sources(prefill.url)
-            delta = {source: after[source] - before[source] for source in SOURCES}
-            if sum(delta.values()) >= len(prompt) or time.monotonic() > deadline:
+            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in (*SOURCES, *PARTS)}
+            if sum(delta[source] for source in SOURCES) >= len(prompt) or time.monotonic() > deadline:
                 return ttft_ms, tokens, delta
             time.sleep(0.05)
 
@@ -151,7 +157,7 @@ class Bench:
     def run(self) -> None:
         a, b = self.sidecar("a"), self.sidecar("b")
         decode = self.server("decode", "kv_consumer", 1, b.socket)
-        for prefix_caching in (False, True):
+        for prefix_caching in {"off": (False,), "on": (True,), "both": (False, True)}[self.args.prefix_caching]:
             prefill = self.server(f"prefill-pc{int(prefix_caching)}", "kv_both", 0, a.socket, prefix_caching)
             try:
                 for size in self.args.sizes:
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.multiturn", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both", help="P's prefix cache")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "multiturn.json")
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "multiturn.png")
     args = parser.parse_args(argv)

@@ -141,6 +141,9 @@ def test_d_holds_a_finished_turn_and_p_loads_it_without_blocking_the_scheduler(s
         assert target is not None and target.engine_id == "D" and target.request_id == "turn1"
         assert [list(group.ids) for group in target.block_ids.groups] == [[10, 11, 12, 13]]
         assert turn2.kv_transfer_params["_multiturn_loaded"]
+        outcomes, loaded, [waited] = prefill.take_stats()  # vLLM's stat loggers get them once
+        assert (outcomes, loaded) == ({"hit": 1}, 4 * BS) and waited > 0  # held back while stopped
+        assert prefill.take_stats() == ({}, 0, [])
         assert prefill.matched_tokens(turn2, 0) == (0, False)  # rescheduled after its load: no second load
 
         # Asked on arrival (on_new_request), the answer is in before the scheduler first asks.
@@ -187,3 +190,25 @@ def test_a_lookup_that_outlives_its_bound_lets_p_compute(sidecars, engines) -> N
         # A prompt too short to be worth asking about is not asked about.
         short = vllm_request("short", list(range(10, 10 + 2 * BS)), {"do_remote_decode": True})
         assert prefill.matched_tokens(short, 0) == (0, False) and prefill.outcomes["below_threshold"] == 1
+
+
+def test_p_s_own_prefix_cache_decides_without_waiting_for_the_lookup(sidecars, engines) -> None:
+    """The query goes out when the request arrives, before vLLM looks in P's prefix cache: when that
+    cache leaves less than the threshold for a hold to give, P computes at once instead of waiting
+    for the answer (which could not change the decision)."""
+    side = sidecars("s")
+    engines(side, "P", "both")
+    with SidecarClient(side.socket, timeout=5.0) as client:
+        prefill = MultiTurn(MultiTurnConfig(enabled=True, query_timeout=5.0), client, "P", BS)
+        tokens = list(range(300, 300 + 6 * BS + 10))
+        cached = vllm_request("cached", tokens, {"do_remote_decode": True})
+        wanted = vllm_request("wanted", tokens, {"do_remote_decode": True})
+        with stopped(side):  # both queries stay in flight
+            prefill.prefetch(cached)
+            prefill.prefetch(wanted)
+            # P's cache has 5 of the 6 blocks a hold could give: 32 tokens < 64.
+            assert prefill.matched_tokens(cached, 5 * BS) == (0, False)
+            assert prefill.outcomes["local_cache"] == 1
+            # Two cached blocks leave 128 tokens worth a load: P waits for the answer.
+            assert prefill.matched_tokens(wanted, 2 * BS) == (None, False)
+        assert prefill.take_stats() == ({"local_cache": 1}, 0, [0.0])  # decided without waiting

@@ -59,6 +59,7 @@ CONFIG_KEYS = frozenset(
 # Lookup outcomes (a hit, or why P computes the prompt itself).
 HIT = "hit"
 MISS_REASONS = (
+    "disabled",  # the router opted the request out ("multi_turn": false)
     "no_hold",  # nothing held for this conversation / prefix
     "prefix_mismatch",  # held, but its first block differs from the prompt's
     "expiring",  # would expire within the safety margin
@@ -235,6 +236,7 @@ class _Lookup:
     holds: list[HeldPrefix] = field(default_factory=list)
     reason: str = ""  # a miss decided before any plan (timeout, query_failed)
     plan: LoadPlan | None = None
+    asked: float = 0.0  # when the scheduler first asked (what it waited for the decision runs from)
 
 
 class MultiTurn:
@@ -257,9 +259,14 @@ class MultiTurn:
         self.block_size = block_size
         self._clock = clock
         self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
-        # Outcome counts and tokens loaded (for tests, benchmarks and the log).
+        # Outcome counts and tokens loaded since start (tests, benchmarks), and since the last
+        # ``take_stats`` (vLLM's stat loggers: engine_shim.vllm.stats).
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.tokens_loaded = 0
+        self._new_outcomes: collections.Counter[str] = collections.Counter()
+        self._new_tokens_loaded = 0
+        # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
+        self._new_waits: list[float] = []
 
     # P: prefill legs ------------------------------------------------------------------------------
 
@@ -270,7 +277,7 @@ class MultiTurn:
         if params.get("_multiturn_loaded"):
             return 0, False  # rescheduled (preempted) after its load: vLLM's re-entry guard
         if params.get("multi_turn") is False:
-            self.outcomes["disabled"] += 1  # the router opted this request out
+            self._count("disabled")  # the router opted this request out
             return 0, False
         request_id = request.request_id
         lookup = self._lookups.get(request_id)
@@ -279,8 +286,15 @@ class MultiTurn:
             if lookup is None:
                 return 0, False
         now = self._clock()
+        lookup.asked = lookup.asked or now
         if lookup.plan is None and not lookup.reason:
-            if not lookup.future.done():
+            # The query may have started (``prefetch``) before vLLM looked in P's own prefix cache:
+            # if what that cache lacks is below the threshold, no answer can change the decision,
+            # so P computes now instead of waiting for it.
+            skip = self._not_worth_asking(request, num_computed_tokens)
+            if skip:
+                lookup.reason = skip
+            elif not lookup.future.done():
                 if now < lookup.deadline:
                     return None, False
                 lookup.reason = "timeout"
@@ -315,15 +329,26 @@ class MultiTurn:
         if fresh and params.get("multi_turn") is not False:
             self._ask(request, params, 0, counted=False)
 
+    def _not_worth_asking(self, request: Request, num_computed_tokens: int) -> str:
+        """Why no hold could be worth loading for this prompt ("" if one could): at most the
+        prompt's full blocks but the last token can be loaded, minus what P's prefix cache has."""
+        hashes = prompt_block_hashes(request, self.block_size)
+        reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        floor = max(1, self.config.recompute_threshold)
+        if reachable - num_computed_tokens >= floor:
+            return ""
+        return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
+
     def _ask(
         self, request: Request, params: Mapping[str, Any], num_computed_tokens: int, counted: bool = True
     ) -> _Lookup | None:
+        skip = self._not_worth_asking(request, num_computed_tokens)
+        if skip:
+            if counted:
+                self._count(skip)  # not worth a query: nothing worth loading could be found
+            return None
         hashes = prompt_block_hashes(request, self.block_size)
         reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
-        if reachable * self.block_size - num_computed_tokens < max(1, self.config.recompute_threshold):
-            if counted:
-                self.outcomes["below_threshold"] += 1  # not worth a query: nothing could be loaded
-            return None
         address, remote_request = "", ""
         host, port = params.get("remote_host"), params.get("remote_port")
         if params.get("remote_request_id") and params.get("remote_engine_id") and host and port:
@@ -353,8 +378,13 @@ class MultiTurn:
         first = lookup.plan is None
         lookup.plan = plan
         if first:
-            self.outcomes[plan.reason] += 1
-            logger.debug("SidecarConnector: lookup of %s: %s, %d tokens", request_id, plan.reason, plan.tokens)
+            self._count(plan.reason)
+            waited = max(0.0, self._clock() - lookup.asked) if lookup.asked else 0.0
+            self._new_waits.append(waited)
+            logger.debug(
+                "SidecarConnector: lookup of %s: %s, %d tokens, scheduler waited %.1f ms",
+                request_id, plan.reason, plan.tokens, waited * 1000.0,
+            )  # fmt: skip
 
     def take_load(self, request: Request, num_external_tokens: int) -> engine_pb2.RemoteBlocks | None:
         """``update_state_after_alloc``: the hold to pull the request's loaded tokens from, once
@@ -366,6 +396,7 @@ class MultiTurn:
         if request.kv_transfer_params is not None:
             request.kv_transfer_params["_multiturn_loaded"] = True
         self.tokens_loaded += num_external_tokens
+        self._new_tokens_loaded += num_external_tokens
         hold = plan.hold
         return remote(
             hold.address,
@@ -375,6 +406,19 @@ class MultiTurn:
             hold.tp_size,
             hold.num_tokens,
         )
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self._new_outcomes[outcome] += 1
+
+    def take_stats(self) -> tuple[dict[str, int], int, list[float]]:
+        """Lookup outcomes, tokens loaded, and the scheduler's wait per decided lookup since the
+        last call (for vLLM's stat loggers)."""
+        taken = dict(self._new_outcomes), self._new_tokens_loaded, self._new_waits
+        self._new_outcomes.clear()
+        self._new_tokens_loaded = 0
+        self._new_waits = []
+        return taken
 
     def forget(self, request_id: str) -> None:
         """The request finished (or was aborted) before its load was taken."""

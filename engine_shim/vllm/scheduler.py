@@ -35,6 +35,7 @@ from engine_shim.vllm import multiturn
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.params import flat, grouped, peer_address, split_address
+from engine_shim.vllm.stats import SidecarKVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -577,6 +578,17 @@ class SchedulerSide:
             for request_id in connector_output.finished_sending:
                 self._sends.discard(request_id)
                 self._push_sends.discard(request_id)
+
+    def take_stats(self) -> SidecarKVConnectorStats | None:
+        """This interval's multi-turn lookup outcomes for vLLM's stat loggers (None: nothing new)."""
+        if self.multiturn is None:
+            return None
+        outcomes, tokens_loaded, waits = self.multiturn.take_stats()
+        if not outcomes and not tokens_loaded:
+            return None
+        taken = SidecarKVConnectorStats()
+        taken.record_lookups(outcomes, tokens_loaded, waits)
+        return taken
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while failures wait for delivery or pushed blocks wait for their
