@@ -178,8 +178,8 @@ class Bench:
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| P's prefix cache | history (tokens) | P's TTFT, recompute | P's TTFT, reuse from D | recompute / reuse "
-        "| P's prompt tokens loaded from D (reuse) |",
-        "|---|---|---|---|---|---|",
+        "| P's prompt tokens loaded from D (reuse) | reuse: lookup wait, load (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     by_key = {(row.prefix_caching, row.size, row.mode): row for row in rows}
     for (caching, size, mode), row in sorted(by_key.items()):
@@ -187,9 +187,10 @@ def markdown(rows: list[Row]) -> str:
             continue
         recompute = by_key[(caching, size, "recompute")]
         loaded = statistics.median(s["external_kv_transfer"] for s in row.sources) if row.sources else 0
+        parts = [statistics.median(s.get(part, 0.0) for s in row.sources) if row.sources else 0.0 for part in PARTS]
         lines.append(
             f"| {'on' if caching else 'off'} | {size} | {recompute.median_ms:.0f} ms | {row.median_ms:.0f} ms "
-            f"| {recompute.median_ms / row.median_ms:.2f}x | {loaded:.0f} |"
+            f"| {recompute.median_ms / row.median_ms:.2f}x | {loaded:.0f} | {parts[0]:.0f}, {parts[1]:.0f} |"
         )
     return "\n".join(lines)
 

@@ -307,7 +307,7 @@ class MultiTurn:
                     lookup.answered = now
                     lookup.holds = [HeldPrefix.from_entry(entry) for entry in lookup.future.result().entries]
         if lookup.reason:
-            self._decide(request_id, lookup, LoadPlan(0, lookup.reason))
+            self._decide(request_id, lookup, LoadPlan(0, lookup.reason), now)
             return 0, False
         plan = plan_load(
             lookup.holds,
@@ -318,7 +318,7 @@ class MultiTurn:
             self.config,
             now - lookup.answered,
         )
-        self._decide(request_id, lookup, plan)
+        self._decide(request_id, lookup, plan, now)
         return (plan.tokens, True) if plan.tokens > 0 else (0, False)
 
     def prefetch(self, request: Request) -> None:
@@ -374,12 +374,12 @@ class MultiTurn:
             self._lookups.popitem(last=False)
         return lookup
 
-    def _decide(self, request_id: str, lookup: _Lookup, plan: LoadPlan) -> None:
+    def _decide(self, request_id: str, lookup: _Lookup, plan: LoadPlan, now: float) -> None:
         first = lookup.plan is None
         lookup.plan = plan
         if first:
             self._count(plan.reason)
-            waited = max(0.0, self._clock() - lookup.asked) if lookup.asked else 0.0
+            waited = max(0.0, now - lookup.asked)
             self._new_waits.append(waited)
             logger.debug(
                 "SidecarConnector: lookup of %s: %s, %d tokens, scheduler waited %.1f ms",
