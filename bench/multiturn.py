@@ -56,7 +56,13 @@ QUERY_TIMEOUT = 1.0
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
 # Where a reuse turn's time goes, from P's /metrics (sums of the connector's histograms, seconds):
 # the scheduler holding the request back for its lookup, and the Pull until the KV was in.
-PARTS = {"lookup_wait": "vllm:kvsidecar_multi_turn_wait_seconds_sum", "load": "vllm:kvsidecar_receive_time_seconds_sum"}
+PARTS = {
+    "lookup_wait": "vllm:kvsidecar_multi_turn_wait_seconds_sum",
+    "load": "vllm:kvsidecar_receive_time_seconds_sum",
+    "queue": "vllm:request_queue_time_seconds_sum",
+    "prefill": "vllm:request_prefill_time_seconds_sum",
+    "e2e": "vllm:e2e_request_latency_seconds_sum",
+}
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine_shim.client import SidecarClient
-from engine_shim.vllm.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
+from engine_shim.vllm.multiturn import HeldPrefix, LoadCosts, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
 from tests.support.processes import SidecarProcess, wait_until
 
 BS = 32
@@ -76,6 +76,28 @@ def test_config_from_kv_connector_extra_config() -> None:
         MultiTurnConfig.from_extra({"kv_recompute_threshold": -1})
     with pytest.raises(ValueError, match="multi_turn_query_timeout"):
         MultiTurnConfig.from_extra({"multi_turn_query_timeout": 0})
+
+
+def measured(break_even: int) -> LoadCosts:
+    """Costs as an engine would have measured them: loads hold a request back 50 ms, computing
+    costs 50 ms / ``break_even`` per token."""
+    costs = LoadCosts()
+    for _ in range(LoadCosts.MIN_SAMPLES):
+        costs.record_load(0.050)
+        costs.record_compute(break_even, 0.050)
+    return costs
+
+
+def test_a_load_must_save_more_than_it_costs_here() -> None:
+    costs = LoadCosts()
+    costs.record_load(0.050)
+    costs.record_compute(200, 0.100)
+    assert costs.break_even_tokens() == 0 and not costs.gate(1)  # too few samples: the threshold alone
+    costs = measured(100)
+    assert costs.break_even_tokens() == 100
+    assert not costs.gate(100) and not costs.gate(4000)
+    gated = [costs.gate(96) for _ in range(LoadCosts.EXPLORE_EVERY)]
+    assert gated == [True] * (LoadCosts.EXPLORE_EVERY - 1) + [False]  # one in EXPLORE_EVERY still loads
 
 
 # --- against a real sidecar, with vLLM's Request and its block hashes ---------------------------------
@@ -212,3 +234,40 @@ def test_p_s_own_prefix_cache_decides_without_waiting_for_the_lookup(sidecars, e
             # Two cached blocks leave 128 tokens worth a load: P waits for the answer.
             assert prefill.matched_tokens(wanted, 2 * BS) == (None, False)
         assert prefill.take_stats() == ({"local_cache": 1}, 0, [0.0])  # decided without waiting
+
+
+def test_p_computes_a_tail_that_would_load_slower_than_it_computes(sidecars, engines) -> None:
+    """With P's measured costs, a hold whose new tokens save less than a load costs on this node is
+    not read: decided before the query when no hold could be worth it, else on the answer."""
+    side = sidecars("s")
+    engines(side, "D", "both")
+    engines(side, "P", "both")
+    history = list(range(100, 100 + 4 * BS + 7))  # D holds 4 full blocks: P could load 128 tokens
+    with SidecarClient(side.socket, timeout=5.0) as client:
+        decode = MultiTurn(CONFIG, client, "D", BS)
+        finished = vllm_request("turn1", history, {"conversation_id": "conv"})
+        finished.num_computed_tokens = len(history)
+        decode.hold(finished, ([10, 11, 12, 13, 14],), "127.0.0.1", 4242, 1, 1)[0].result(timeout=10)
+        turn2 = [*history, *range(500, 540)]  # 5 full blocks: at most 160 tokens from any hold
+        params = {"do_remote_decode": True, "conversation_id": "conv"}
+        prefill = MultiTurn(MultiTurnConfig(enabled=True, query_timeout=5.0), client, "P", BS)
+
+        prefill.costs = measured(200)  # no hold could save 200 tokens: not even asked
+        with stopped(side):
+            assert prefill.matched_tokens(vllm_request("a", turn2, params), 0) == (0, False)
+        assert prefill.take_stats() == ({"slower_than_compute": 1}, 0, [0.0])
+
+        prefill.costs = measured(150)  # one could: asked, but this one saves 128 < 150
+        request = vllm_request("b", turn2, params)
+
+        def decided() -> tuple[int | None, bool] | None:
+            result = prefill.matched_tokens(request, 0)
+            return result if result[0] is not None else None
+
+        assert wait_until(decided, 10.0, 0.01, "the lookup") == (0, False)
+        assert prefill.outcomes["slower_than_compute"] == 2
+        assert prefill.matched_tokens(request, 0) == (0, False)  # asked again, the decision stands
+
+        prefill.costs = measured(100)  # 128 >= 100: loaded
+        loading = vllm_request("c", turn2, params)
+        assert wait_until(lambda: prefill.matched_tokens(loading, 0)[0], 10.0, 0.01, "the lookup") == 4 * BS

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ MISS_REASONS = (
     "prefix_mismatch",  # held, but its first block differs from the prompt's
     "expiring",  # would expire within the safety margin
     "below_threshold",  # fewer new tokens than kv_recompute_threshold
+    "slower_than_compute",  # fewer than this engine's measured break-even (LoadCosts)
     "local_cache",  # P's own prefix cache already has at least as much
     "timeout",  # no answer within multi_turn_query_timeout
     "query_failed",  # the sidecar refused or failed the query
@@ -94,6 +97,49 @@ class MultiTurnConfig:
         if not 0 < config.query_timeout <= 60:
             raise ValueError("kv_connector_extra_config.multi_turn_query_timeout must be in (0, 60] seconds")
         return config
+
+
+class LoadCosts:
+    """What a load costs this engine against computing, from its own recent prefill legs (pure).
+
+    A load holds the request back from the scheduler's first ask to the KV's arrival (the query,
+    the Pull); computing costs seconds per prompt token. Below ``break_even_tokens`` a load is
+    slower than computing the tokens it saves (a node where both sidecars and engines share few
+    cores, a small model, a short tail beyond P's prefix cache). Until both sides have
+    ``MIN_SAMPLES`` the break-even is 0 (only ``kv_recompute_threshold`` applies); once loads stop
+    because of it, one in ``EXPLORE_EVERY`` is let through anyway so a node that got faster is noticed."""
+
+    SAMPLES = 16
+    MIN_SAMPLES = 3
+    EXPLORE_EVERY = 16
+
+    def __init__(self) -> None:
+        self._load_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
+        self._token_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
+        self._gated = 0
+
+    def record_load(self, seconds: float) -> None:
+        self._load_seconds.append(max(0.0, seconds))
+
+    def record_compute(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._token_seconds.append(max(0.0, seconds) / tokens)
+
+    def break_even_tokens(self) -> int:
+        """Tokens a load must save to be faster than computing them (0: not known yet)."""
+        if len(self._load_seconds) < self.MIN_SAMPLES or len(self._token_seconds) < self.MIN_SAMPLES:
+            return 0
+        per_token = statistics.median(self._token_seconds)
+        if per_token <= 0:
+            return 0
+        return math.ceil(statistics.median(self._load_seconds) / per_token)
+
+    def gate(self, tokens: int) -> bool:
+        """Whether a load of ``tokens`` is not worth it (counted, with the exploration)."""
+        if tokens >= self.break_even_tokens():
+            return False
+        self._gated += 1
+        return self._gated % self.EXPLORE_EVERY != 0
 
 
 @dataclass(frozen=True)
@@ -267,6 +313,11 @@ class MultiTurn:
         self._new_tokens_loaded = 0
         # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
         self._new_waits: list[float] = []
+        # Measured load vs compute cost, and the prefill legs being measured: request id ->
+        # (when the scheduler first asked, prompt tokens it computes, or loads).
+        self.costs = LoadCosts()
+        self._loading: dict[str, float] = {}
+        self._computing: dict[str, tuple[float, int]] = {}
 
     # P: prefill legs ------------------------------------------------------------------------------
 
@@ -278,12 +329,15 @@ class MultiTurn:
             return 0, False  # rescheduled (preempted) after its load: vLLM's re-entry guard
         if params.get("multi_turn") is False:
             self._count("disabled")  # the router opted this request out
+            self._new_waits.append(0.0)
+            self._measure_compute(request, num_computed_tokens, self._clock())
             return 0, False
         request_id = request.request_id
         lookup = self._lookups.get(request_id)
         if lookup is None:
             lookup = self._ask(request, params, num_computed_tokens)
             if lookup is None:
+                self._measure_compute(request, num_computed_tokens, self._clock())
                 return 0, False
         now = self._clock()
         lookup.asked = lookup.asked or now
@@ -308,6 +362,7 @@ class MultiTurn:
                     lookup.holds = [HeldPrefix.from_entry(entry) for entry in lookup.future.result().entries]
         if lookup.reason:
             self._decide(request_id, lookup, LoadPlan(0, lookup.reason), now)
+            self._measure_compute(request, num_computed_tokens, now)
             return 0, False
         plan = plan_load(
             lookup.holds,
@@ -318,8 +373,15 @@ class MultiTurn:
             self.config,
             now - lookup.answered,
         )
+        # The measured break-even, decided once per request (asked again, the answer stands).
+        gated = lookup.plan is not None and lookup.plan.reason == "slower_than_compute"
+        if plan.tokens > 0 and (gated or (lookup.plan is None and self.costs.gate(plan.tokens))):
+            plan = LoadPlan(0, "slower_than_compute")
         self._decide(request_id, lookup, plan, now)
-        return (plan.tokens, True) if plan.tokens > 0 else (0, False)
+        if plan.tokens > 0:
+            return plan.tokens, True
+        self._measure_compute(request, num_computed_tokens, now)
+        return 0, False
 
     def prefetch(self, request: Request) -> None:
         """``on_new_request`` of a prefill leg: start the lookup now, so its answer is usually in by
@@ -335,9 +397,11 @@ class MultiTurn:
         hashes = prompt_block_hashes(request, self.block_size)
         reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
         floor = max(1, self.config.recompute_threshold)
-        if reachable - num_computed_tokens >= floor:
-            return ""
-        return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
+        if reachable - num_computed_tokens < floor:
+            return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
+        if reachable - num_computed_tokens < self.costs.break_even_tokens():
+            return "slower_than_compute"  # even the best hold would save less than it costs here
+        return ""
 
     def _ask(
         self, request: Request, params: Mapping[str, Any], num_computed_tokens: int, counted: bool = True
@@ -346,6 +410,7 @@ class MultiTurn:
         if skip:
             if counted:
                 self._count(skip)  # not worth a query: nothing worth loading could be found
+                self._new_waits.append(0.0)
             return None
         hashes = prompt_block_hashes(request, self.block_size)
         reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
@@ -397,6 +462,7 @@ class MultiTurn:
             request.kv_transfer_params["_multiturn_loaded"] = True
         self.tokens_loaded += num_external_tokens
         self._new_tokens_loaded += num_external_tokens
+        self._loading[request.request_id] = lookup.asked if lookup is not None and lookup.asked else self._clock()
         hold = plan.hold
         return remote(
             hold.address,
@@ -420,9 +486,29 @@ class MultiTurn:
         self._new_waits = []
         return taken
 
+    def _measure_compute(self, request: Request, num_computed_tokens: int, now: float) -> None:
+        """A prefill leg P computes itself: timed from now to its finish (``finished``)."""
+        tokens = request.num_prompt_tokens - num_computed_tokens
+        if tokens >= self.block_size and request.request_id not in self._computing:
+            self._computing[request.request_id] = (now, tokens)
+            while len(self._computing) > self.MAX_LOOKUPS:
+                self._computing.pop(next(iter(self._computing)))
+
+    def loaded(self, request_id: str) -> None:
+        """``update_connector_output``: a request's KV arrived (or failed: it is recomputed)."""
+        asked = self._loading.pop(request_id, None)
+        if asked is not None:
+            self.costs.record_load(self._clock() - asked)
+
     def forget(self, request_id: str) -> None:
-        """The request finished (or was aborted) before its load was taken."""
+        """The request finished (or was aborted): a lookup not taken is dropped, and a prefill
+        leg P computed itself gives its compute time."""
         self._lookups.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        computing = self._computing.pop(request_id, None)
+        if computing is not None:
+            started, tokens = computing
+            self.costs.record_compute(tokens, self._clock() - started)
 
     # D: holding a finished turn ---------------------------------------------------------------
 

@@ -583,6 +583,8 @@ class SchedulerSide:
         if connector_output.finished_recving:
             for request_id in connector_output.finished_recving:
                 self._receives.pop(request_id, None)
+                if self.multiturn is not None:
+                    self.multiturn.loaded(request_id)  # multi-turn hook: what the load cost
         if connector_output.finished_sending:
             for request_id in connector_output.finished_sending:
                 self._sends.discard(request_id)
