@@ -95,6 +95,12 @@ def test_a_load_must_save_more_than_it_costs_here() -> None:
     assert costs.break_even_tokens() == 0 and not costs.gate(1)  # too few samples: the threshold alone
     costs = measured(100)
     assert costs.break_even_tokens() == 100
+    assert MultiTurnConfig.from_extra({"multi_turn_measure_costs": False}).measure_costs is False
+    unmeasured = LoadCosts(enabled=False)
+    for _ in range(LoadCosts.MIN_SAMPLES):
+        unmeasured.record_load(0.050)
+        unmeasured.record_compute(100, 0.050)
+    assert unmeasured.break_even_tokens() == 0 and not unmeasured.gate(1)
     assert not costs.gate(100) and not costs.gate(4000)
     gated = [costs.gate(96) for _ in range(LoadCosts.EXPLORE_EVERY)]
     assert gated == [True] * (LoadCosts.EXPLORE_EVERY - 1) + [False]  # one in EXPLORE_EVERY still loads

@@ -56,7 +56,14 @@ BlockIds = tuple[list[int], ...]
 
 # kv_connector_extra_config keys this module reads.
 CONFIG_KEYS = frozenset(
-    {"multi_turn", "kv_recompute_threshold", "multi_turn_expiry_margin", "multi_turn_query_timeout", "hold_ttl"}
+    {
+        "multi_turn",
+        "kv_recompute_threshold",
+        "multi_turn_expiry_margin",
+        "multi_turn_query_timeout",
+        "multi_turn_measure_costs",
+        "hold_ttl",
+    }
 )
 # Lookup outcomes (a hit, or why P computes the prompt itself).
 HIT = "hit"
@@ -80,6 +87,9 @@ class MultiTurnConfig:
     expiry_margin: float = 5.0  # a hold expiring sooner than this is not read
     query_timeout: float = 0.010  # bound on the cache query (the sidecar's fan-out to its peers)
     hold_ttl: float = 0.0  # D's hold time; 0 = the sidecar's hold_ttl_seconds
+    # Load only what saves more than a load costs on this engine (LoadCosts); False: the
+    # threshold alone decides (tests that must exercise the load path with a tiny, fast model).
+    measure_costs: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> MultiTurnConfig:
@@ -89,6 +99,7 @@ class MultiTurnConfig:
             expiry_margin=float(extra.get("multi_turn_expiry_margin", 5.0)),
             query_timeout=float(extra.get("multi_turn_query_timeout", 0.010)),
             hold_ttl=float(extra.get("hold_ttl", 0.0)),
+            measure_costs=bool(extra.get("multi_turn_measure_costs", True)),
         )
         if config.recompute_threshold < 0:
             raise ValueError("kv_connector_extra_config.kv_recompute_threshold must be >= 0")
@@ -113,7 +124,8 @@ class LoadCosts:
     MIN_SAMPLES = 3
     EXPLORE_EVERY = 16
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._load_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
         self._token_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
         self._gated = 0
@@ -127,7 +139,7 @@ class LoadCosts:
 
     def break_even_tokens(self) -> int:
         """Tokens a load must save to be faster than computing them (0: not known yet)."""
-        if len(self._load_seconds) < self.MIN_SAMPLES or len(self._token_seconds) < self.MIN_SAMPLES:
+        if not self.enabled or min(len(self._load_seconds), len(self._token_seconds)) < self.MIN_SAMPLES:
             return 0
         per_token = statistics.median(self._token_seconds)
         if per_token <= 0:
@@ -315,7 +327,7 @@ class MultiTurn:
         self._new_waits: list[float] = []
         # Measured load vs compute cost, and the prefill legs being measured: request id ->
         # (when the scheduler first asked, prompt tokens it computes, or loads).
-        self.costs = LoadCosts()
+        self.costs = LoadCosts(config.measure_costs)
         self._loading: dict[str, float] = {}
         self._computing: dict[str, tuple[float, int]] = {}
 
