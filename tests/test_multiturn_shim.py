@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from engine_shim.client import SidecarClient
-from engine_shim.vllm.multiturn import HeldPrefix, LoadCosts, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
+from engine_shim.vllm.load_costs import LoadCosts
+from engine_shim.vllm.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
 from tests.support.processes import SidecarProcess, wait_until
 
 BS = 32

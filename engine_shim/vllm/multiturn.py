@@ -18,9 +18,12 @@ decode engine D. With ``"multi_turn": true`` in ``kv_connector_extra_config``:
   the answer is in flight, so ``schedule()`` never waits; past ``multi_turn_query_timeout`` P
   computes. Only the leading blocks whose hashes equal P's own prompt's are used (an edited
   history reuses the common prefix only), beyond what P's prefix cache already has, and only if
-  that is at least ``kv_recompute_threshold`` tokens and the hold does not expire within
-  ``multi_turn_expiry_margin`` seconds. The load is a ``Pull`` from D's sidecar into P's new
-  blocks; a hold released meanwhile fails it explicitly and vLLM recomputes. A router opts one
+  that is at least ``kv_recompute_threshold`` tokens and this engine's measured break-even
+  (``LoadCosts``: a load's time against computing the tokens it saves), and the hold does not
+  expire within ``multi_turn_expiry_margin`` seconds. When P's own prefix cache leaves less than
+  that for any hold to give, P decides without waiting for the query. The load is a ``Pull``
+  from D's sidecar into P's new blocks; a hold released meanwhile fails it explicitly and vLLM
+  recomputes. A router opts one
   request out with ``"multi_turn": false`` in its ``kv_transfer_params``.
 
 Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With the default
@@ -28,7 +31,7 @@ Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With
 non-cryptographic one, set the same ``PYTHONHASHSEED`` on P and D or nothing will match (never
 wrong KV, only no reuse).
 
-Pure policy (``plan_load``, ``MultiTurnConfig``, ``hold_params``) does no I/O. ``MultiTurn`` holds
+Pure policy (``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O. ``MultiTurn`` holds
 the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
 the client's RPC threads and are only read here (``done()``/``result()``).
 """
@@ -37,14 +40,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine_shim.client import Future, SidecarClient, remote
+from engine_shim.vllm.load_costs import LoadCosts
 from kvsidecar.v1 import engine_pb2
 
 if TYPE_CHECKING:
@@ -108,50 +110,6 @@ class MultiTurnConfig:
         if not 0 < config.query_timeout <= 60:
             raise ValueError("kv_connector_extra_config.multi_turn_query_timeout must be in (0, 60] seconds")
         return config
-
-
-class LoadCosts:
-    """What a load costs this engine against computing, from its own recent prefill legs (pure).
-
-    A load holds the request back from the scheduler's first ask to the KV's arrival (the query,
-    the Pull); computing costs seconds per prompt token. Below ``break_even_tokens`` a load is
-    slower than computing the tokens it saves (a node where both sidecars and engines share few
-    cores, a small model, a short tail beyond P's prefix cache). Until both sides have
-    ``MIN_SAMPLES`` the break-even is 0 (only ``kv_recompute_threshold`` applies); once loads stop
-    because of it, one in ``EXPLORE_EVERY`` is let through anyway so a node that got faster is noticed."""
-
-    SAMPLES = 16
-    MIN_SAMPLES = 3
-    EXPLORE_EVERY = 16
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self._load_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
-        self._token_seconds: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
-        self._gated = 0
-
-    def record_load(self, seconds: float) -> None:
-        self._load_seconds.append(max(0.0, seconds))
-
-    def record_compute(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self._token_seconds.append(max(0.0, seconds) / tokens)
-
-    def break_even_tokens(self) -> int:
-        """Tokens a load must save to be faster than computing them (0: not known yet)."""
-        if not self.enabled or min(len(self._load_seconds), len(self._token_seconds)) < self.MIN_SAMPLES:
-            return 0
-        per_token = statistics.median(self._token_seconds)
-        if per_token <= 0:
-            return 0
-        return math.ceil(statistics.median(self._load_seconds) / per_token)
-
-    def gate(self, tokens: int) -> bool:
-        """Whether a load of ``tokens`` is not worth it (counted, with the exploration)."""
-        if tokens >= self.break_even_tokens():
-            return False
-        self._gated += 1
-        return self._gated % self.EXPLORE_EVERY != 0
 
 
 @dataclass(frozen=True)

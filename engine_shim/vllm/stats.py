@@ -210,8 +210,8 @@ class SidecarPromMetrics(KVConnectorPromMetrics):
         self._lookups = counter_cls(
             name="vllm:kvsidecar_multi_turn_lookups",
             documentation="Multi-turn lookups of this prefill engine, by outcome: hit, or why it computed the "
-            "prompt (no_hold, prefix_mismatch, expiring, below_threshold, local_cache, timeout, query_failed, "
-            "disabled).",
+            "prompt (no_hold, prefix_mismatch, expiring, below_threshold, slower_than_compute, local_cache, timeout, "
+            "query_failed, disabled).",
             labelnames=[*labelnames, "outcome"],
         )
 
