@@ -23,16 +23,16 @@ decode engine D. With ``"multi_turn": true`` in ``kv_connector_extra_config``:
   expire within ``multi_turn_expiry_margin`` seconds. When P's own prefix cache leaves less than
   that for any hold to give, P decides without waiting for the query. The load is a ``Pull``
   from D's sidecar into P's new blocks; a hold released meanwhile fails it explicitly and vLLM
-  recomputes. A router opts one
-  request out with ``"multi_turn": false`` in its ``kv_transfer_params``.
+  recomputes. A router opts one request out with ``"multi_turn": false`` in its
+  ``kv_transfer_params``.
 
 Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With the default
 ``prefix_caching_hash_algo`` (sha256) they are seeded identically in every process; with a
 non-cryptographic one, set the same ``PYTHONHASHSEED`` on P and D or nothing will match (never
 wrong KV, only no reuse).
 
-Pure policy (``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O. ``MultiTurn`` holds
-the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
+Pure policy (``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O.
+``MultiTurn`` holds the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
 the client's RPC threads and are only read here (``done()``/``result()``).
 """
 
@@ -283,8 +283,8 @@ class MultiTurn:
         self._new_tokens_loaded = 0
         # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
         self._new_waits: list[float] = []
-        # Measured load vs compute cost, and the prefill legs being measured: request id ->
-        # (when the scheduler first asked, prompt tokens it computes, or loads).
+        # Measured load vs compute cost, and the prefill legs being measured: loads (request id ->
+        # when the scheduler first asked) and legs P computes (-> when decided, tokens computed).
         self.costs = LoadCosts(config.measure_costs)
         self._loading: dict[str, float] = {}
         self._computing: dict[str, tuple[float, int]] = {}
