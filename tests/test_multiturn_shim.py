@@ -275,6 +275,15 @@ def test_p_computes_a_tail_that_would_load_slower_than_it_computes(sidecars, eng
         assert prefill.outcomes["slower_than_compute"] == 2
         assert prefill.matched_tokens(request, 0) == (0, False)  # asked again, the decision stands
 
+        # Worth asking (160 >= 150), but an answer later than computing 160 tokens takes (here
+        # 50 ms / 150 per token: 53 ms) could not pay off: P stops waiting and computes.
+        late = vllm_request("late", turn2, params)
+        with stopped(side):
+            assert prefill.matched_tokens(late, 0) == (None, False)
+            time.sleep(0.06)
+            assert prefill.matched_tokens(late, 0) == (0, False)
+        assert prefill.outcomes["slower_than_compute"] == 3 and not prefill.outcomes["timeout"]
+
         prefill.costs = measured(100)  # 128 >= 100: loaded
         loading = vllm_request("c", turn2, params)
         assert wait_until(lambda: prefill.matched_tokens(loading, 0)[0], 10.0, 0.01, "the lookup") == 4 * BS

@@ -50,6 +50,13 @@ class LoadCosts:
             return 0
         return math.ceil(statistics.median(self._load_seconds) / per_token)
 
+    def compute_seconds(self, tokens: int) -> float | None:
+        """What computing ``tokens`` costs here (None: not known yet). A lookup that has held a
+        request back that long can no longer pay off, whatever it finds."""
+        if not self.enabled or len(self._token_seconds) < self.MIN_SAMPLES:
+            return None
+        return tokens * statistics.median(self._token_seconds)
+
     def gate(self, tokens: int) -> bool:
         """Whether a load of ``tokens`` is not worth it (counted, with the exploration)."""
         if tokens >= self.break_even_tokens():

@@ -319,9 +319,14 @@ class MultiTurn:
             if skip:
                 lookup.reason = skip
             elif not lookup.future.done():
-                if now < lookup.deadline:
+                # Waiting longer than computing the most a hold could give would take cannot pay.
+                pays_for = self.costs.compute_seconds(self._reachable(request) - num_computed_tokens)
+                if pays_for is not None and now - lookup.asked >= pays_for:
+                    lookup.reason = "slower_than_compute"
+                elif now < lookup.deadline:
                     return None, False
-                lookup.reason = "timeout"
+                else:
+                    lookup.reason = "timeout"
             else:
                 exc = lookup.future.exception()
                 if exc is not None:
@@ -361,11 +366,15 @@ class MultiTurn:
         if fresh and params.get("multi_turn") is not False:
             self._ask(request, params, 0, counted=False)
 
+    def _reachable(self, request: Request) -> int:
+        """The most any hold could give: the prompt's full blocks, never its last token."""
+        full = len(prompt_block_hashes(request, self.block_size))
+        return min(full, (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
+
     def _not_worth_asking(self, request: Request, num_computed_tokens: int) -> str:
         """Why no hold could be worth loading for this prompt ("" if one could): at most the
         prompt's full blocks but the last token can be loaded, minus what P's prefix cache has."""
-        hashes = prompt_block_hashes(request, self.block_size)
-        reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
+        reachable = self._reachable(request)
         floor = max(1, self.config.recompute_threshold)
         if reachable - num_computed_tokens < floor:
             return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
@@ -382,8 +391,7 @@ class MultiTurn:
                 self._count(skip)  # not worth a query: nothing worth loading could be found
                 self._new_waits.append(0.0)
             return None
-        hashes = prompt_block_hashes(request, self.block_size)
-        reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
+        hashes = prompt_block_hashes(request, self.block_size)[: self._reachable(request) // self.block_size]
         address, remote_request = "", ""
         host, port = params.get("remote_host"), params.get("remote_port")
         if params.get("remote_request_id") and params.get("remote_engine_id") and host and port:
@@ -397,7 +405,7 @@ class MultiTurn:
             address,
             conversation,
             remote_request,
-            hashes[:reachable],
+            hashes,
             known_peers=not address,
             timeout_seconds=timeout,
         )
