@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
+.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -21,12 +21,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $(STAMP)
 
+# vLLM's own P/D proxies, which the end-to-end tests run unchanged: extracted from vLLM's source
+# distribution on pip's index (checked against the index's sha256) into .cache/upstream/.
+upstream: setup
+	$(PY) -m tests.support.upstream
+
 proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
 # The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
-test: setup
-	$(PY) -m pytest -q -m "not hetero and not multihost_full"
+test: setup upstream
+	$(PY) -m pytest -q -m "not hetero and not multihost_full and not upstream_full"
+
+# Every case through vLLM's own proxies (tests/test_vllm_upstream.py); `make test` runs a subset.
+upstream-proxies: setup upstream
+	$(PY) -m pytest -q -m vllm tests/test_vllm_upstream.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not hetero and not multihost_full"

@@ -54,6 +54,15 @@ NEW = 64  # the user's new message at turn 2 (tokens)
 # part of the measured TTFT either way.
 QUERY_TIMEOUT = 1.0
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
+# Where a reuse turn's time goes, from P's /metrics (sums of the connector's histograms, seconds):
+# the scheduler holding the request back for its lookup, and the Pull until the KV was in.
+PARTS = {
+    "lookup_wait": "vllm:kvsidecar_multi_turn_wait_seconds_sum",
+    "load": "vllm:kvsidecar_receive_time_seconds_sum",
+    "queue": "vllm:request_queue_time_seconds_sum",
+    "prefill": "vllm:request_prefill_time_seconds_sum",
+    "e2e": "vllm:e2e_request_latency_seconds_sum",
+}
 
 
 @dataclass
@@ -85,6 +94,9 @@ def prompt_sources(url: str) -> dict[str, float]:
             for source in SOURCES:
                 if f'source="{source}"' in line:
                     found[source] += float(line.rsplit(" ", 1)[1])
+        for part, name in PARTS.items():
+            if line.startswith(name + "{"):
+                found[part] = found.get(part, 0.0) + float(line.rsplit(" ", 1)[1]) * 1000.0  # ms
     return found
 
 
@@ -135,8 +147,8 @@ class Bench:
         deadline = time.monotonic() + 15.0
         while True:  # P's metrics catch up with its last request
             after = prompt_sources(prefill.url)
-            delta = {source: after[source] - before[source] for source in SOURCES}
-            if sum(delta.values()) >= len(prompt) or time.monotonic() > deadline:
+            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in (*SOURCES, *PARTS)}
+            if sum(delta[source] for source in SOURCES) >= len(prompt) or time.monotonic() > deadline:
                 return ttft_ms, tokens, delta
             time.sleep(0.05)
 
@@ -151,7 +163,7 @@ class Bench:
     def run(self) -> None:
         a, b = self.sidecar("a"), self.sidecar("b")
         decode = self.server("decode", "kv_consumer", 1, b.socket)
-        for prefix_caching in (False, True):
+        for prefix_caching in {"off": (False,), "on": (True,), "both": (False, True)}[self.args.prefix_caching]:
             prefill = self.server(f"prefill-pc{int(prefix_caching)}", "kv_both", 0, a.socket, prefix_caching)
             try:
                 for size in self.args.sizes:
@@ -172,8 +184,8 @@ class Bench:
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| P's prefix cache | history (tokens) | P's TTFT, recompute | P's TTFT, reuse from D | recompute / reuse "
-        "| P's prompt tokens loaded from D (reuse) |",
-        "|---|---|---|---|---|---|",
+        "| P's prompt tokens loaded from D (reuse) | reuse: lookup wait, load (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     by_key = {(row.prefix_caching, row.size, row.mode): row for row in rows}
     for (caching, size, mode), row in sorted(by_key.items()):
@@ -181,9 +193,10 @@ def markdown(rows: list[Row]) -> str:
             continue
         recompute = by_key[(caching, size, "recompute")]
         loaded = statistics.median(s["external_kv_transfer"] for s in row.sources) if row.sources else 0
+        parts = [statistics.median(s.get(part, 0.0) for s in row.sources) if row.sources else 0.0 for part in PARTS]
         lines.append(
             f"| {'on' if caching else 'off'} | {size} | {recompute.median_ms:.0f} ms | {row.median_ms:.0f} ms "
-            f"| {recompute.median_ms / row.median_ms:.2f}x | {loaded:.0f} |"
+            f"| {recompute.median_ms / row.median_ms:.2f}x | {loaded:.0f} | {parts[0]:.0f}, {parts[1]:.0f} |"
         )
     return "\n".join(lines)
 
@@ -213,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.multiturn", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both", help="P's prefix cache")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "multiturn.json")
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "multiturn.png")
     args = parser.parse_args(argv)

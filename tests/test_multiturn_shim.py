@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from engine_shim.client import SidecarClient
+from engine_shim.vllm.load_costs import LoadCosts
 from engine_shim.vllm.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
 from tests.support.processes import SidecarProcess, wait_until
 
@@ -76,6 +77,34 @@ def test_config_from_kv_connector_extra_config() -> None:
         MultiTurnConfig.from_extra({"kv_recompute_threshold": -1})
     with pytest.raises(ValueError, match="multi_turn_query_timeout"):
         MultiTurnConfig.from_extra({"multi_turn_query_timeout": 0})
+
+
+def measured(break_even: int) -> LoadCosts:
+    """Costs as an engine would have measured them: loads hold a request back 50 ms, computing
+    costs 50 ms / ``break_even`` per token."""
+    costs = LoadCosts()
+    for _ in range(LoadCosts.MIN_SAMPLES):
+        costs.record_load(0.050)
+        costs.record_compute(break_even, 0.050)
+    return costs
+
+
+def test_a_load_must_save_more_than_it_costs_here() -> None:
+    costs = LoadCosts()
+    costs.record_load(0.050)
+    costs.record_compute(200, 0.100)
+    assert costs.break_even_tokens() == 0 and not costs.gate(1)  # too few samples: the threshold alone
+    costs = measured(100)
+    assert costs.break_even_tokens() == 100
+    assert MultiTurnConfig.from_extra({"multi_turn_measure_costs": False}).measure_costs is False
+    unmeasured = LoadCosts(enabled=False)
+    for _ in range(LoadCosts.MIN_SAMPLES):
+        unmeasured.record_load(0.050)
+        unmeasured.record_compute(100, 0.050)
+    assert unmeasured.break_even_tokens() == 0 and not unmeasured.gate(1)
+    assert not costs.gate(100) and not costs.gate(4000)
+    gated = [costs.gate(96) for _ in range(LoadCosts.EXPLORE_EVERY)]
+    assert gated == [True] * (LoadCosts.EXPLORE_EVERY - 1) + [False]  # one in EXPLORE_EVERY still loads
 
 
 # --- against a real sidecar, with vLLM's Request and its block hashes ---------------------------------
@@ -141,6 +170,9 @@ def test_d_holds_a_finished_turn_and_p_loads_it_without_blocking_the_scheduler(s
         assert target is not None and target.engine_id == "D" and target.request_id == "turn1"
         assert [list(group.ids) for group in target.block_ids.groups] == [[10, 11, 12, 13]]
         assert turn2.kv_transfer_params["_multiturn_loaded"]
+        outcomes, loaded, [waited] = prefill.take_stats()  # vLLM's stat loggers get them once
+        assert (outcomes, loaded) == ({"hit": 1}, 4 * BS) and waited > 0  # held back while stopped
+        assert prefill.take_stats() == ({}, 0, [])
         assert prefill.matched_tokens(turn2, 0) == (0, False)  # rescheduled after its load: no second load
 
         # Asked on arrival (on_new_request), the answer is in before the scheduler first asks.
@@ -187,3 +219,71 @@ def test_a_lookup_that_outlives_its_bound_lets_p_compute(sidecars, engines) -> N
         # A prompt too short to be worth asking about is not asked about.
         short = vllm_request("short", list(range(10, 10 + 2 * BS)), {"do_remote_decode": True})
         assert prefill.matched_tokens(short, 0) == (0, False) and prefill.outcomes["below_threshold"] == 1
+
+
+def test_p_s_own_prefix_cache_decides_without_waiting_for_the_lookup(sidecars, engines) -> None:
+    """The query goes out when the request arrives, before vLLM looks in P's prefix cache: when that
+    cache leaves less than the threshold for a hold to give, P computes at once instead of waiting
+    for the answer (which could not change the decision)."""
+    side = sidecars("s")
+    engines(side, "P", "both")
+    with SidecarClient(side.socket, timeout=5.0) as client:
+        prefill = MultiTurn(MultiTurnConfig(enabled=True, query_timeout=5.0), client, "P", BS)
+        tokens = list(range(300, 300 + 6 * BS + 10))
+        cached = vllm_request("cached", tokens, {"do_remote_decode": True})
+        wanted = vllm_request("wanted", tokens, {"do_remote_decode": True})
+        with stopped(side):  # both queries stay in flight
+            prefill.prefetch(cached)
+            prefill.prefetch(wanted)
+            # P's cache has 5 of the 6 blocks a hold could give: 32 tokens < 64.
+            assert prefill.matched_tokens(cached, 5 * BS) == (0, False)
+            assert prefill.outcomes["local_cache"] == 1
+            # Two cached blocks leave 128 tokens worth a load: P waits for the answer.
+            assert prefill.matched_tokens(wanted, 2 * BS) == (None, False)
+        assert prefill.take_stats() == ({"local_cache": 1}, 0, [0.0])  # decided without waiting
+
+
+def test_p_computes_a_tail_that_would_load_slower_than_it_computes(sidecars, engines) -> None:
+    """With P's measured costs, a hold whose new tokens save less than a load costs on this node is
+    not read: decided before the query when no hold could be worth it, else on the answer."""
+    side = sidecars("s")
+    engines(side, "D", "both")
+    engines(side, "P", "both")
+    history = list(range(100, 100 + 4 * BS + 7))  # D holds 4 full blocks: P could load 128 tokens
+    with SidecarClient(side.socket, timeout=5.0) as client:
+        decode = MultiTurn(CONFIG, client, "D", BS)
+        finished = vllm_request("turn1", history, {"conversation_id": "conv"})
+        finished.num_computed_tokens = len(history)
+        decode.hold(finished, ([10, 11, 12, 13, 14],), "127.0.0.1", 4242, 1, 1)[0].result(timeout=10)
+        turn2 = [*history, *range(500, 540)]  # 5 full blocks: at most 160 tokens from any hold
+        params = {"do_remote_decode": True, "conversation_id": "conv"}
+        prefill = MultiTurn(MultiTurnConfig(enabled=True, query_timeout=5.0), client, "P", BS)
+
+        prefill.costs = measured(200)  # no hold could save 200 tokens: not even asked
+        with stopped(side):
+            assert prefill.matched_tokens(vllm_request("a", turn2, params), 0) == (0, False)
+        assert prefill.take_stats() == ({"slower_than_compute": 1}, 0, [0.0])
+
+        prefill.costs = measured(150)  # one could: asked, but this one saves 128 < 150
+        request = vllm_request("b", turn2, params)
+
+        def decided() -> tuple[int | None, bool] | None:
+            result = prefill.matched_tokens(request, 0)
+            return result if result[0] is not None else None
+
+        assert wait_until(decided, 10.0, 0.01, "the lookup") == (0, False)
+        assert prefill.outcomes["slower_than_compute"] == 2
+        assert prefill.matched_tokens(request, 0) == (0, False)  # asked again, the decision stands
+
+        # Worth asking (160 >= 150), but an answer later than computing 160 tokens takes (here
+        # 50 ms / 150 per token: 53 ms) could not pay off: P stops waiting and computes.
+        late = vllm_request("late", turn2, params)
+        with stopped(side):
+            assert prefill.matched_tokens(late, 0) == (None, False)
+            time.sleep(0.06)
+            assert prefill.matched_tokens(late, 0) == (0, False)
+        assert prefill.outcomes["slower_than_compute"] == 3 and not prefill.outcomes["timeout"]
+
+        prefill.costs = measured(100)  # 128 >= 100: loaded
+        loading = vllm_request("c", turn2, params)
+        assert wait_until(lambda: prefill.matched_tokens(loading, 0)[0], 10.0, 0.01, "the lookup") == 4 * BS

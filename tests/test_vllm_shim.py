@@ -56,9 +56,9 @@ class KeepAliveClient:
         return future
 
 
-def vllm_config(engine_id: str = "decode-0") -> Any:
+def vllm_config(engine_id: str = "decode-0", kv_role: str = "kv_both", extra: dict[str, Any] | None = None) -> Any:
     return SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role="kv_both", kv_connector_extra_config={}),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id, kv_role=kv_role, kv_connector_extra_config=extra or {}),
         cache_config=SimpleNamespace(block_size=32, cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         model_config=SimpleNamespace(
@@ -82,6 +82,33 @@ def scheduler(tmp_path: Path) -> Iterator[SchedulerSide]:
     side = SchedulerSide(vllm_config(), kv_cache_config, config)  # type: ignore[arg-type]
     yield side
     side.shutdown()
+
+
+def test_a_kv_producer_with_multi_turn_does_not_look_for_holds(tmp_path: Path) -> None:
+    """A prefill engine configured kv_producer cannot load a hold (its sidecar refuses a producer's
+    Pull): its prefill legs are scheduled at once instead of waiting for a lookup; kv_both looks."""
+    kv_cache_config = SimpleNamespace(transfer_group_ids=(0,), kv_cache_groups=[object()])
+    config = ShimConfig(sidecar_socket=str(tmp_path / "no-sidecar.sock"), rpc_timeout=0.5)
+    request = SimpleNamespace(
+        request_id="turn-2",
+        kv_transfer_params={"do_remote_decode": True},
+        prompt_token_ids=list(range(200)),
+        num_prompt_tokens=200,
+        block_hashes=[bytes([i]) * 32 for i in range(6)],
+    )
+    asked = {}
+    for role in ("kv_producer", "kv_both"):
+        side = SchedulerSide(vllm_config("prefill-0", role, {"multi_turn": True}), kv_cache_config, config)  # type: ignore[arg-type]
+        side._down = False  # as if the sidecar were up (there is none: a query fails or stays in flight)
+        try:
+            answer = side.get_num_new_matched_tokens(request, 0)  # type: ignore[arg-type]
+            assert side.multiturn is not None
+            asked[role] = "turn-2" in side.multiturn._lookups or bool(side.multiturn.outcomes)
+            if role == "kv_producer":
+                assert answer == (0, False)
+        finally:
+            side.shutdown()
+    assert asked == {"kv_producer": False, "kv_both": True}
 
 
 def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: SchedulerSide) -> None:

@@ -52,6 +52,52 @@ def test_stage_timings_survive_take_aggregate_and_reduce() -> None:
     assert summary["Median call->event (ms)"] == 20.0 and summary["Median event->step (ms)"] == 0.25
 
 
+def test_multi_turn_lookups_reach_the_stat_logger_and_metrics() -> None:
+    """The scheduler's multi-turn outcomes (hits, misses by reason, tokens loaded) join the
+    workers' stats, reduce to the log line's counts, and become vllm:kvsidecar_multi_turn_*."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from engine_shim.vllm.stats import SidecarPromMetrics
+
+    scheduler = SidecarKVConnectorStats()
+    scheduler.record_lookups({"hit": 2, "local_cache": 1}, 320, [0.0, 0.004, 0.0])
+    worker = SidecarKVConnectorStats()
+    worker.record("received", 4096, 3.0)
+    merged = build(json.loads(json.dumps(worker.data)))  # vLLM aggregates the scheduler's into the workers'
+    merged.aggregate(build(json.loads(json.dumps(scheduler.data))))
+    merged.aggregate(build({"multi_turn_lookups": {"hit": 1, "timeout": 1}, "multi_turn_tokens_loaded": 64}))
+    summary = merged.reduce()
+    assert summary["Num received"] == 1
+    assert (summary["Num multi-turn hits"], summary["Num multi-turn misses"]) == (3, 2)
+    assert summary["Multi-turn tokens loaded"] == 384 and summary["Median multi-turn wait (ms)"] == 0.0
+    assert "Num multi-turn hits" not in worker.reduce()  # engines without multi-turn: no such fields
+
+    registry = CollectorRegistry()
+
+    def bound(cls: Any) -> Any:
+        class Bound(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, registry=registry, **kwargs)  # labelled children do not register
+
+        return Bound
+
+    types = {kind: bound(kind) for kind in (Counter, Gauge, Histogram)}
+    prom = SidecarPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        types,
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},  # type: ignore[arg-type]
+    )
+    prom.observe(merged.data, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvsidecar_multi_turn_lookups_total{engine="0",model_name="tiny",outcome="hit"} 3.0' in text
+    assert 'vllm:kvsidecar_multi_turn_lookups_total{engine="0",model_name="tiny",outcome="local_cache"} 1.0' in text
+    assert 'vllm:kvsidecar_multi_turn_tokens_loaded_total{engine="0",model_name="tiny"} 384.0' in text
+    assert 'vllm:kvsidecar_multi_turn_wait_seconds_count{engine="0",model_name="tiny"} 3.0' in text
+
+
 # --- the worker's idle wait ----------------------------------------------------------------------
 # A worker-role SidecarConnector on a real vLLM config (tiny Llama, no engine). Its event stream is
 # stood in for by a thread calling the watcher's entry point (``_event_arrived``) and the

@@ -162,8 +162,10 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker().get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        # vLLM asks both roles; only workers see transfer outcomes.
-        return self.worker_side.stats.take() if self.worker_side is not None else None
+        # vLLM asks both roles: workers see transfer outcomes, the scheduler multi-turn lookups.
+        if self.worker_side is not None:
+            return self.worker_side.stats.take()
+        return self._scheduler().take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -18,18 +18,21 @@ decode engine D. With ``"multi_turn": true`` in ``kv_connector_extra_config``:
   the answer is in flight, so ``schedule()`` never waits; past ``multi_turn_query_timeout`` P
   computes. Only the leading blocks whose hashes equal P's own prompt's are used (an edited
   history reuses the common prefix only), beyond what P's prefix cache already has, and only if
-  that is at least ``kv_recompute_threshold`` tokens and the hold does not expire within
-  ``multi_turn_expiry_margin`` seconds. The load is a ``Pull`` from D's sidecar into P's new
-  blocks; a hold released meanwhile fails it explicitly and vLLM recomputes. A router opts one
-  request out with ``"multi_turn": false`` in its ``kv_transfer_params``.
+  that is at least ``kv_recompute_threshold`` tokens and this engine's measured break-even
+  (``LoadCosts``: a load's time against computing the tokens it saves), and the hold does not
+  expire within ``multi_turn_expiry_margin`` seconds. When P's own prefix cache leaves less than
+  that for any hold to give, P decides without waiting for the query. The load is a ``Pull``
+  from D's sidecar into P's new blocks; a hold released meanwhile fails it explicitly and vLLM
+  recomputes. A router opts one request out with ``"multi_turn": false`` in its
+  ``kv_transfer_params``.
 
 Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With the default
 ``prefix_caching_hash_algo`` (sha256) they are seeded identically in every process; with a
 non-cryptographic one, set the same ``PYTHONHASHSEED`` on P and D or nothing will match (never
 wrong KV, only no reuse).
 
-Pure policy (``plan_load``, ``MultiTurnConfig``, ``hold_params``) does no I/O. ``MultiTurn`` holds
-the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
+Pure policy (``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O.
+``MultiTurn`` holds the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
 the client's RPC threads and are only read here (``done()``/``result()``).
 """
 
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine_shim.client import Future, SidecarClient, remote
+from engine_shim.vllm.load_costs import LoadCosts
 from kvsidecar.v1 import engine_pb2
 
 if TYPE_CHECKING:
@@ -54,15 +58,24 @@ BlockIds = tuple[list[int], ...]
 
 # kv_connector_extra_config keys this module reads.
 CONFIG_KEYS = frozenset(
-    {"multi_turn", "kv_recompute_threshold", "multi_turn_expiry_margin", "multi_turn_query_timeout", "hold_ttl"}
+    {
+        "multi_turn",
+        "kv_recompute_threshold",
+        "multi_turn_expiry_margin",
+        "multi_turn_query_timeout",
+        "multi_turn_measure_costs",
+        "hold_ttl",
+    }
 )
 # Lookup outcomes (a hit, or why P computes the prompt itself).
 HIT = "hit"
 MISS_REASONS = (
+    "disabled",  # the router opted the request out ("multi_turn": false)
     "no_hold",  # nothing held for this conversation / prefix
     "prefix_mismatch",  # held, but its first block differs from the prompt's
     "expiring",  # would expire within the safety margin
     "below_threshold",  # fewer new tokens than kv_recompute_threshold
+    "slower_than_compute",  # fewer than this engine's measured break-even (LoadCosts)
     "local_cache",  # P's own prefix cache already has at least as much
     "timeout",  # no answer within multi_turn_query_timeout
     "query_failed",  # the sidecar refused or failed the query
@@ -76,6 +89,9 @@ class MultiTurnConfig:
     expiry_margin: float = 5.0  # a hold expiring sooner than this is not read
     query_timeout: float = 0.010  # bound on the cache query (the sidecar's fan-out to its peers)
     hold_ttl: float = 0.0  # D's hold time; 0 = the sidecar's hold_ttl_seconds
+    # Load only what saves more than a load costs on this engine (LoadCosts); False: the
+    # threshold alone decides (tests that must exercise the load path with a tiny, fast model).
+    measure_costs: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> MultiTurnConfig:
@@ -85,6 +101,7 @@ class MultiTurnConfig:
             expiry_margin=float(extra.get("multi_turn_expiry_margin", 5.0)),
             query_timeout=float(extra.get("multi_turn_query_timeout", 0.010)),
             hold_ttl=float(extra.get("hold_ttl", 0.0)),
+            measure_costs=bool(extra.get("multi_turn_measure_costs", True)),
         )
         if config.recompute_threshold < 0:
             raise ValueError("kv_connector_extra_config.kv_recompute_threshold must be >= 0")
@@ -235,6 +252,7 @@ class _Lookup:
     holds: list[HeldPrefix] = field(default_factory=list)
     reason: str = ""  # a miss decided before any plan (timeout, query_failed)
     plan: LoadPlan | None = None
+    asked: float = 0.0  # when the scheduler first asked (what it waited for the decision runs from)
 
 
 class MultiTurn:
@@ -257,9 +275,19 @@ class MultiTurn:
         self.block_size = block_size
         self._clock = clock
         self._lookups: collections.OrderedDict[str, _Lookup] = collections.OrderedDict()
-        # Outcome counts and tokens loaded (for tests, benchmarks and the log).
+        # Outcome counts and tokens loaded since start (tests, benchmarks), and since the last
+        # ``take_stats`` (vLLM's stat loggers: engine_shim.vllm.stats).
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.tokens_loaded = 0
+        self._new_outcomes: collections.Counter[str] = collections.Counter()
+        self._new_tokens_loaded = 0
+        # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
+        self._new_waits: list[float] = []
+        # Measured load vs compute cost, and the prefill legs being measured: loads (request id ->
+        # when the scheduler first asked) and legs P computes (-> when decided, tokens computed).
+        self.costs = LoadCosts(config.measure_costs)
+        self._loading: dict[str, float] = {}
+        self._computing: dict[str, tuple[float, int]] = {}
 
     # P: prefill legs ------------------------------------------------------------------------------
 
@@ -270,20 +298,35 @@ class MultiTurn:
         if params.get("_multiturn_loaded"):
             return 0, False  # rescheduled (preempted) after its load: vLLM's re-entry guard
         if params.get("multi_turn") is False:
-            self.outcomes["disabled"] += 1  # the router opted this request out
+            self._count("disabled")  # the router opted this request out
+            self._new_waits.append(0.0)
+            self._measure_compute(request, num_computed_tokens, self._clock())
             return 0, False
         request_id = request.request_id
         lookup = self._lookups.get(request_id)
         if lookup is None:
             lookup = self._ask(request, params, num_computed_tokens)
             if lookup is None:
+                self._measure_compute(request, num_computed_tokens, self._clock())
                 return 0, False
         now = self._clock()
+        lookup.asked = lookup.asked or now
         if lookup.plan is None and not lookup.reason:
-            if not lookup.future.done():
-                if now < lookup.deadline:
+            # The query may have started (``prefetch``) before vLLM looked in P's own prefix cache:
+            # if what that cache lacks is below the threshold, no answer can change the decision,
+            # so P computes now instead of waiting for it.
+            skip = self._not_worth_asking(request, num_computed_tokens)
+            if skip:
+                lookup.reason = skip
+            elif not lookup.future.done():
+                # Waiting longer than computing the most a hold could give would take cannot pay.
+                pays_for = self.costs.compute_seconds(self._reachable(request) - num_computed_tokens)
+                if pays_for is not None and now - lookup.asked >= pays_for:
+                    lookup.reason = "slower_than_compute"
+                elif now < lookup.deadline:
                     return None, False
-                lookup.reason = "timeout"
+                else:
+                    lookup.reason = "timeout"
             else:
                 exc = lookup.future.exception()
                 if exc is not None:
@@ -293,7 +336,8 @@ class MultiTurn:
                     lookup.answered = now
                     lookup.holds = [HeldPrefix.from_entry(entry) for entry in lookup.future.result().entries]
         if lookup.reason:
-            self._decide(request_id, lookup, LoadPlan(0, lookup.reason))
+            self._decide(request_id, lookup, LoadPlan(0, lookup.reason), now)
+            self._measure_compute(request, num_computed_tokens, now)
             return 0, False
         plan = plan_load(
             lookup.holds,
@@ -304,8 +348,15 @@ class MultiTurn:
             self.config,
             now - lookup.answered,
         )
-        self._decide(request_id, lookup, plan)
-        return (plan.tokens, True) if plan.tokens > 0 else (0, False)
+        # The measured break-even, decided once per request (asked again, the answer stands).
+        gated = lookup.plan is not None and lookup.plan.reason == "slower_than_compute"
+        if plan.tokens > 0 and (gated or (lookup.plan is None and self.costs.gate(plan.tokens))):
+            plan = LoadPlan(0, "slower_than_compute")
+        self._decide(request_id, lookup, plan, now)
+        if plan.tokens > 0:
+            return plan.tokens, True
+        self._measure_compute(request, num_computed_tokens, now)
+        return 0, False
 
     def prefetch(self, request: Request) -> None:
         """``on_new_request`` of a prefill leg: start the lookup now, so its answer is usually in by
@@ -315,15 +366,32 @@ class MultiTurn:
         if fresh and params.get("multi_turn") is not False:
             self._ask(request, params, 0, counted=False)
 
+    def _reachable(self, request: Request) -> int:
+        """The most any hold could give: the prompt's full blocks, never its last token."""
+        full = len(prompt_block_hashes(request, self.block_size))
+        return min(full, (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
+
+    def _not_worth_asking(self, request: Request, num_computed_tokens: int) -> str:
+        """Why no hold could be worth loading for this prompt ("" if one could): at most the
+        prompt's full blocks but the last token can be loaded, minus what P's prefix cache has."""
+        reachable = self._reachable(request)
+        floor = max(1, self.config.recompute_threshold)
+        if reachable - num_computed_tokens < floor:
+            return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
+        if reachable - num_computed_tokens < self.costs.break_even_tokens():
+            return "slower_than_compute"  # even the best hold would save less than it costs here
+        return ""
+
     def _ask(
         self, request: Request, params: Mapping[str, Any], num_computed_tokens: int, counted: bool = True
     ) -> _Lookup | None:
-        hashes = prompt_block_hashes(request, self.block_size)
-        reachable = min(len(hashes), (request.num_prompt_tokens - 1) // self.block_size)
-        if reachable * self.block_size - num_computed_tokens < max(1, self.config.recompute_threshold):
+        skip = self._not_worth_asking(request, num_computed_tokens)
+        if skip:
             if counted:
-                self.outcomes["below_threshold"] += 1  # not worth a query: nothing could be loaded
+                self._count(skip)  # not worth a query: nothing worth loading could be found
+                self._new_waits.append(0.0)
             return None
+        hashes = prompt_block_hashes(request, self.block_size)[: self._reachable(request) // self.block_size]
         address, remote_request = "", ""
         host, port = params.get("remote_host"), params.get("remote_port")
         if params.get("remote_request_id") and params.get("remote_engine_id") and host and port:
@@ -337,7 +405,7 @@ class MultiTurn:
             address,
             conversation,
             remote_request,
-            hashes[:reachable],
+            hashes,
             known_peers=not address,
             timeout_seconds=timeout,
         )
@@ -349,12 +417,17 @@ class MultiTurn:
             self._lookups.popitem(last=False)
         return lookup
 
-    def _decide(self, request_id: str, lookup: _Lookup, plan: LoadPlan) -> None:
+    def _decide(self, request_id: str, lookup: _Lookup, plan: LoadPlan, now: float) -> None:
         first = lookup.plan is None
         lookup.plan = plan
         if first:
-            self.outcomes[plan.reason] += 1
-            logger.debug("SidecarConnector: lookup of %s: %s, %d tokens", request_id, plan.reason, plan.tokens)
+            self._count(plan.reason)
+            waited = max(0.0, now - lookup.asked)
+            self._new_waits.append(waited)
+            logger.debug(
+                "SidecarConnector: lookup of %s: %s, %d tokens, scheduler waited %.1f ms",
+                request_id, plan.reason, plan.tokens, waited * 1000.0,
+            )  # fmt: skip
 
     def take_load(self, request: Request, num_external_tokens: int) -> engine_pb2.RemoteBlocks | None:
         """``update_state_after_alloc``: the hold to pull the request's loaded tokens from, once
@@ -366,6 +439,8 @@ class MultiTurn:
         if request.kv_transfer_params is not None:
             request.kv_transfer_params["_multiturn_loaded"] = True
         self.tokens_loaded += num_external_tokens
+        self._new_tokens_loaded += num_external_tokens
+        self._loading[request.request_id] = lookup.asked if lookup is not None and lookup.asked else self._clock()
         hold = plan.hold
         return remote(
             hold.address,
@@ -376,9 +451,42 @@ class MultiTurn:
             hold.num_tokens,
         )
 
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+        self._new_outcomes[outcome] += 1
+
+    def take_stats(self) -> tuple[dict[str, int], int, list[float]]:
+        """Lookup outcomes, tokens loaded, and the scheduler's wait per decided lookup since the
+        last call (for vLLM's stat loggers)."""
+        taken = dict(self._new_outcomes), self._new_tokens_loaded, self._new_waits
+        self._new_outcomes.clear()
+        self._new_tokens_loaded = 0
+        self._new_waits = []
+        return taken
+
+    def _measure_compute(self, request: Request, num_computed_tokens: int, now: float) -> None:
+        """A prefill leg P computes itself: timed from now to its finish (``finished``)."""
+        tokens = request.num_prompt_tokens - num_computed_tokens
+        if tokens >= self.block_size and request.request_id not in self._computing:
+            self._computing[request.request_id] = (now, tokens)
+            while len(self._computing) > self.MAX_LOOKUPS:
+                self._computing.pop(next(iter(self._computing)))
+
+    def loaded(self, request_id: str) -> None:
+        """``update_connector_output``: a request's KV arrived (or failed: it is recomputed)."""
+        asked = self._loading.pop(request_id, None)
+        if asked is not None:
+            self.costs.record_load(self._clock() - asked)
+
     def forget(self, request_id: str) -> None:
-        """The request finished (or was aborted) before its load was taken."""
+        """The request finished (or was aborted): a lookup not taken is dropped, and a prefill
+        leg P computed itself gives its compute time."""
         self._lookups.pop(request_id, None)
+        self._loading.pop(request_id, None)
+        computing = self._computing.pop(request_id, None)
+        if computing is not None:
+            started, tokens = computing
+            self.costs.record_compute(tokens, self._clock() - started)
 
     # D: holding a finished turn ---------------------------------------------------------------
 

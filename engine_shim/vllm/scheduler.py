@@ -35,6 +35,7 @@ from engine_shim.vllm import multiturn
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.params import flat, grouped, peer_address, split_address
+from engine_shim.vllm.stats import SidecarKVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,6 +154,13 @@ class SchedulerSide:
             multiturn.MultiTurn(turns, self.client, self.engine_id, self.block_size) if turns.enabled else None
         )
         self._holds_turns = self.multiturn is not None and transfer.kv_role in ("kv_consumer", "kv_both")
+        # A kv_producer's sidecar refuses its Pull: looking up holds would only delay its prompts.
+        self._loads_turns = self.multiturn is not None and transfer.kv_role != "kv_producer"
+        if self.multiturn is not None and not self._loads_turns:
+            logger.warning(
+                "SidecarConnector: multi_turn on a kv_producer engine: it cannot load earlier turns (its sidecar "
+                "refuses a producer's Pull), so it does not look for them; give the prefill engine kv_role kv_both"
+            )
         self.client.subscribe_connectivity(self._on_connectivity)
         try:
             self._address = self.client.status_async().result(timeout=min(5.0, config.rpc_timeout)).sidecar.address
@@ -242,7 +250,8 @@ class SchedulerSide:
             and (params.get("remote_request_id") or params.get("transfer_id"))
         ):
             self._arrived[request.request_id] = request
-        elif self.multiturn is not None and params and params.get("do_remote_decode") and not self._down:
+        elif self._loads_turns and params and params.get("do_remote_decode") and not self._down:
+            assert self.multiturn is not None
             self.multiturn.prefetch(request)  # multi-turn hook: ask for a hold while it waits
 
     def _keep_alive(self, request: Request) -> None:
@@ -300,7 +309,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         # --- multi-turn hook: a prefill leg may load earlier turns from a remote hold (None: ask again).
-        if self.multiturn is not None and params and params.get("do_remote_decode") and not self._down:
+        if self._loads_turns and params and params.get("do_remote_decode") and not self._down:
+            assert self.multiturn is not None
             return self.multiturn.matched_tokens(request, num_computed_tokens)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -573,10 +583,23 @@ class SchedulerSide:
         if connector_output.finished_recving:
             for request_id in connector_output.finished_recving:
                 self._receives.pop(request_id, None)
+                if self.multiturn is not None:
+                    self.multiturn.loaded(request_id)  # multi-turn hook: what the load cost
         if connector_output.finished_sending:
             for request_id in connector_output.finished_sending:
                 self._sends.discard(request_id)
                 self._push_sends.discard(request_id)
+
+    def take_stats(self) -> SidecarKVConnectorStats | None:
+        """This interval's multi-turn lookup outcomes for vLLM's stat loggers (None: nothing new)."""
+        if self.multiturn is None:
+            return None
+        outcomes, tokens_loaded, waits = self.multiturn.take_stats()
+        if not outcomes and not tokens_loaded:
+            return None
+        taken = SidecarKVConnectorStats()
+        taken.record_lookups(outcomes, tokens_loaded, waits)
+        return taken
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while failures wait for delivery or pushed blocks wait for their

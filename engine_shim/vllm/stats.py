@@ -11,6 +11,7 @@ endpoint has the full picture; these are the numbers an operator sees next to vL
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-_LISTS = ("receive_seconds", "received_bytes", "sent_bytes", "call_to_event_seconds", "event_to_step_seconds")
-_COUNTS = ("load_failures", "leases_expired", "sends_abandoned")
+_LISTS = (
+    "receive_seconds",
+    "received_bytes",
+    "sent_bytes",
+    "call_to_event_seconds",
+    "event_to_step_seconds",
+    "multi_turn_wait_seconds",
+)
+_COUNTS = ("load_failures", "leases_expired", "sends_abandoned", "multi_turn_tokens_loaded")
+# Multi-turn lookups of a prefill engine's scheduler, by outcome (engine_shim.vllm.multiturn: "hit"
+# or a miss reason); the scheduler role reports them (``SchedulerSide.take_stats``).
+_LOOKUPS = "multi_turn_lookups"
 
 
 @dataclass
@@ -34,7 +45,17 @@ class SidecarKVConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {**{key: [] for key in _LISTS}, **{key: 0 for key in _COUNTS}}
+        self.data = {**{key: [] for key in _LISTS}, **{key: 0 for key in _COUNTS}, _LOOKUPS: {}}
+
+    def record_lookups(self, outcomes: dict[str, int], tokens_loaded: int, waits: Sequence[float] = ()) -> None:
+        """Multi-turn lookups of the scheduler: counts by outcome, the prompt tokens loaded from
+        remote holds instead of computed, and how long each decided request was held back for its
+        lookup (0 when decided at once)."""
+        lookups = self.data.setdefault(_LOOKUPS, {})
+        for outcome, count in outcomes.items():
+            lookups[outcome] = lookups.get(outcome, 0) + count
+        self.data["multi_turn_tokens_loaded"] = self.data.get("multi_turn_tokens_loaded", 0) + tokens_loaded
+        self.data.setdefault("multi_turn_wait_seconds", []).extend(waits)
 
     def record(self, outcome: str, nbytes: int, duration_ms: float) -> None:
         """One request's terminal outcome on this worker (see ``_WorkerSide._record``)."""
@@ -65,13 +86,14 @@ class SidecarKVConnectorStats(KVConnectorStats):
         return taken
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in (*_LISTS, *_COUNTS))
+        return not any(self.data.get(key) for key in (*_LISTS, *_COUNTS, _LOOKUPS))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _LISTS:
-            self.data[key].extend(other.data.get(key, []))
+            self.data.setdefault(key, []).extend(other.data.get(key, []))
         for key in _COUNTS:
-            self.data[key] += other.data.get(key, 0)
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        self.record_lookups(other.data.get(_LOOKUPS) or {}, 0)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -92,6 +114,13 @@ class SidecarKVConnectorStats(KVConnectorStats):
         summary["Num load failures"] = self.data["load_failures"]
         summary["Num leases expired"] = self.data["leases_expired"]
         summary["Num sends abandoned"] = self.data["sends_abandoned"]
+        lookups: dict[str, int] = self.data.get(_LOOKUPS) or {}
+        if lookups:  # a prefill engine with multi-turn reuse
+            summary["Num multi-turn hits"] = lookups.get("hit", 0)
+            summary["Num multi-turn misses"] = sum(lookups.values()) - lookups.get("hit", 0)
+            summary["Multi-turn tokens loaded"] = self.data.get("multi_turn_tokens_loaded", 0)
+            waits = self.data.get("multi_turn_wait_seconds") or [0.0]
+            summary["Median multi-turn wait (ms)"] = round(statistics.median(waits) * 1000.0, 3)
         return summary
 
 
@@ -154,6 +183,11 @@ class SidecarPromMetrics(KVConnectorPromMetrics):
                 "Time from a terminal event reaching the worker to the vLLM step that applied it.",
                 _STAGE_BUCKETS,
             ),
+            "multi_turn_wait_seconds": histogram(
+                "vllm:kvsidecar_multi_turn_wait_seconds",
+                "Time the scheduler held a prefill request back for its multi-turn lookup (0: decided at once).",
+                [0.0, *_STAGE_BUCKETS],
+            ),
         }
         self.counters = {
             "load_failures": counter(
@@ -167,7 +201,19 @@ class SidecarPromMetrics(KVConnectorPromMetrics):
                 "vllm:kvsidecar_sends_abandoned",
                 "Requests this producer stopped offering because the sidecar went away.",
             ),
+            "multi_turn_tokens_loaded": counter(
+                "vllm:kvsidecar_multi_turn_tokens_loaded",
+                "Prompt tokens this prefill engine loaded from an earlier turn's hold instead of computing them.",
+            ),
         }
+        # One child per (engine, outcome), made on first use.
+        self._lookups = counter_cls(
+            name="vllm:kvsidecar_multi_turn_lookups",
+            documentation="Multi-turn lookups of this prefill engine, by outcome: hit, or why it computed the "
+            "prompt (no_hold, prefix_mismatch, expiring, below_threshold, slower_than_compute, local_cache, timeout, "
+            "query_failed, disabled).",
+            labelnames=[*labelnames, "outcome"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, metric in self.histograms.items():
@@ -177,3 +223,6 @@ class SidecarPromMetrics(KVConnectorPromMetrics):
             count = transfer_stats_data.get(key, 0)
             if count:
                 metric[engine_idx].inc(count)
+        for outcome, count in (transfer_stats_data.get(_LOOKUPS) or {}).items():
+            if count:
+                self._lookups.labels(*self.per_engine_labelvalues[engine_idx], outcome).inc(count)
