@@ -191,6 +191,36 @@ def test_the_first_pull_after_a_producer_engine_restart_succeeds(sidecars, engin
     assert np.array_equal(source[:, 3], target[:, 4])
 
 
+def test_the_first_pull_after_a_producer_engine_restart_succeeds_when_a_push_cached_its_handshake(
+    sidecars, engines
+) -> None:
+    """D's view of P's engine came from a push registration's handshake: D never read from it, so
+    there is no NIXL connection to lose, and the stale agent fails at transfer setup
+    (NIXL_ERR_BACKEND), not as a disconnect. After P's engine restarts, D's first pull from it must
+    still succeed: the confirming heartbeat names the engine's new generation, and D handshakes again."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    small = {"layers": 2, "blocks": 16, "block_len": 4096}
+    producer = engines(p_side, "P", "producer", **small)
+    consumer = engines(d_side, "D", "consumer", **small)
+    assert producer.command("fill", blocks=[1], seed=1)["ok"]
+    expect(consumer, producer, "push-d", [2], transfer_id="t-push")
+    assert producer.command("submit", request_id="push-p", blocks=[[1]], transfer_id="t-push", mode=PUSH)["ok"]
+    assert consumer.wait_event("push-d", 10)[0]["event"] == "FINISHED_RECEIVING"
+    producer.kill()
+    producer = engines(p_side, "P", "producer", **small)
+    assert producer.command("fill", blocks=[3], seed=2)["ok"]
+    assert producer.command("submit", request_id="after-p", blocks=[[3]])["ok"]
+    assert start_pull(consumer, producer, "after-d", [4], "after-p", [3])["ok"]
+    event = consumer.wait_event("after-d", 15)[0]
+    assert event["event"] == "FINISHED_RECEIVING", event
+    small_kv = (2, 16, 4096)
+    source = np.memmap(producer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
+    target = np.memmap(consumer.buffers[0], dtype=np.uint8, mode="r", shape=small_kv)
+    assert np.array_equal(source[:, 3], target[:, 4])
+    forgotten = [e for e in d_side.log_events() if e.get("event") == "peer_engine_forgotten"]
+    assert any(e.get("reason") == "engine re-registered" for e in forgotten), forgotten
+
+
 def test_a_consumer_engine_killed_mid_push_frees_the_producer_with_the_reason(sidecars, engines) -> None:
     """D's engine dies while P's WRITE is due: P's blocks are freed with FINISHED_SENDING and a
     reason that says the consumer let go, not LEASE_EXPIRED (no lease expired)."""

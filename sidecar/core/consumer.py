@@ -91,6 +91,7 @@ class ConsumerRequest:
     cancel_reason: str = ""
     bytes_moved: int = 0
     digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
+    missed_heartbeats: int = 0  # consecutive periodic heartbeats for it that its producer did not answer
     # push: set once the PushReg call returned (or failed); a release waits for it first.
     registration_done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -120,6 +121,7 @@ class KeptAlive:
     request_id: str
     transfer_id: str
     remote: engine_pb2.RemoteBlocks
+    missed_heartbeats: int = 0
     reads_remote = True  # its Pull (if it becomes one) reads remote.block_ids
 
     def heartbeat_key(self) -> peer_pb2.RequestKey:
@@ -482,13 +484,17 @@ class ConsumerSide:
                         on_step=ctx.trace.hook("consumer", pending.engine_id, pending.request_id),
                     )
                 )
-                if outcome.ok or not outcome.peer_gone or attempt == 2 or pending.cancel_reason:
+                if outcome.ok or attempt == 2 or pending.cancel_reason or ctx.peers.is_self(address):
                     break
-                if ctx.peers.is_self(address):
+                # The producer's engine may have re-registered (new agents) since we cached its
+                # handshake: NIXL reports that as a disconnect (an endpoint to the old agent), and
+                # a heartbeat that saw the new generation dropped the view meanwhile. Handshake
+                # afresh and read once more.
+                stale = ctx.peers.cached_view(address, pending.remote.engine_id) is not view
+                if not (outcome.peer_gone or stale):
                     break
-                # The producer's engine may have re-registered (new agent) since we cached its
-                # handshake: NIXL reports that as a disconnect. Handshake afresh and read once more.
-                log.info("pull_retry_after_disconnect", peer=address, engine_id=pending.remote.engine_id)
+                log.info("pull_retry_after_stale_handshake", peer=address, engine_id=pending.remote.engine_id,
+                         error=outcome.error)  # fmt: skip
                 await ctx.peers.forget_engine(address, pending.remote.engine_id, "transfer from it failed")
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
@@ -782,12 +788,22 @@ class ConsumerSide:
         except SidecarError as exc:
             if raise_errors:
                 raise
-            failures = ctx.peers.failures(address)
-            log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
-            if failures >= ctx.settings.heartbeat_failures_allowed:
-                self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
+            log.warning("heartbeat_failed", peer=address, failures=ctx.peers.failures(address), error=str(exc))
+            # Each request counts the heartbeats it missed itself: failures from before it came (the
+            # peer was down, then restarted) say nothing about the peer it asks now.
+            for item in group:
+                item.missed_heartbeats += 1
+            lost = [item for item in group if item.missed_heartbeats >= ctx.settings.heartbeat_failures_allowed]
+            self._producer_lost(lost, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
             return list(group)
         now = time.monotonic()
+        for item in group:
+            item.missed_heartbeats = 0
+        cached = ctx.peers.cached_generation(address, engine_id)
+        if response.engine_generation and cached is not None and cached != response.engine_generation:
+            # The producer's engine re-registered (restarted) since we handshook it: its NIXL agents
+            # are new. Transfer setup through the stale view would fail; the next use handshakes again.
+            await ctx.peers.forget_engine(address, engine_id, "engine re-registered")
         if response.lease_seconds > 0:
             pace_key, pace = self._pace_key(address, engine_id), max(0.05, response.lease_seconds / 3.0)
             if pace < self._pace.get(pace_key, float("inf")):
