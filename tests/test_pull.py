@@ -276,6 +276,38 @@ def test_a_pull_counts_only_the_heartbeats_it_missed_itself(sidecars, engines) -
     _pull_from_restarted_p(engines, p_side, consumer, shape)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_producer_that_freed_its_blocks_does_not_fail_a_transfer_being_checked(sidecars, engines, mode) -> None:
+    """With integrity=digest, D checks the bytes after they all arrived, and P frees its blocks
+    as soon as the transfer is over (the READ's notification, or its WRITEs completed). A heartbeat
+    that finds P no longer holding the request while D's digests run must not fail it: chaos "done"
+    cells caught LOAD_FAILED "no longer holds" for transfers whose bytes were correct."""
+    checked = ["--set", "integrity=digest"]
+    p_side = sidecars("p", args=checked)
+    # A heartbeat every 20 ms: several land while D digests 50 MiB.
+    d_side = sidecars("d", args=[*checked, "--set", "heartbeat_interval_seconds=0.02"])
+    shape = {"layers": 2, "blocks": 1024, "block_len": 65536}
+    producer = engines(p_side, "P", "producer", **shape)
+    consumer = engines(d_side, "D", "consumer", **shape)
+    source, dest = list(range(0, 800, 2)), list(range(1, 801, 2))  # 400 blocks, not adjacent
+    assert producer.command("fill", blocks=source, seed=9)["ok"]
+    for attempt in range(3):
+        request = f"checked-{attempt}"
+        if mode == "pull":
+            assert producer.command("submit", request_id=request, blocks=[source])["ok"]
+            assert start_pull(consumer, producer, f"{request}-d", dest, request, source)["ok"]
+        else:
+            remote = {"address": producer.peer_address, "engine_id": "P"}
+            assert consumer.command("expect_push", request_id=f"{request}-d", blocks=[dest], remote=remote,
+                                    transfer_id=f"t-{request}")["ok"]  # fmt: skip
+            assert producer.command("submit", request_id=request, blocks=[source], transfer_id=f"t-{request}",
+                                    mode=2)["ok"]  # fmt: skip
+        event = consumer.wait_event(f"{request}-d", 30)[0]
+        assert event["event"] == "FINISHED_RECEIVING", {k: v for k, v in event.items() if k != "failed_block_ids"}
+        sent, received = kv(producer.buffers[0], 2, 1024, 65536), kv(consumer.buffers[0], 2, 1024, 65536)
+        assert np.array_equal(sent[:, source], received[:, dest])
+
+
 def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars, engines) -> None:
     p_side, d_side = sidecars("p"), sidecars("d")
     big = {"layers": 4, "blocks": 64, "block_len": 1 << 20}  # 256 MiB per engine

@@ -87,6 +87,9 @@ class ConsumerRequest:
     notices: NoticeTally = field(default_factory=NoticeTally)
     registered: bool = False  # push: the producer accepted the registration
     transferring: bool = False  # pull: READs in flight
+    # Every byte arrived (the READ ended well, or every WRITE notification came); only the digest
+    # check may remain. The producer may free its blocks now: it owes this request nothing more.
+    received: bool = False
     cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
     cancel_reason: str = ""
     bytes_moved: int = 0
@@ -106,6 +109,12 @@ class ConsumerRequest:
     @property
     def reads_remote(self) -> bool:
         return not self.is_push
+
+    @property
+    def judged_by_heartbeats(self) -> bool:
+        """A heartbeat's answer may fail it: not while its READ runs (the READ's end decides), nor
+        once every byte arrived (the producer that freed it meanwhile did nothing wrong)."""
+        return not (self.transferring or self.received)
 
     def heartbeat_key(self) -> peer_pb2.RequestKey:
         return peer_pb2.RequestKey(
@@ -355,6 +364,7 @@ class ConsumerSide:
             f"the producer's WRITE into {worker.agent_name} completed",
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
+            pending.received = True
             self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
@@ -520,6 +530,7 @@ class ConsumerSide:
             await self._tell_producer(pending, consumed=False, reason=pending.cancel_reason)
             return
         if outcome.ok:
+            pending.received = True
             ctx.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
             )
@@ -750,6 +761,8 @@ class ConsumerSide:
         for pending in self.requests.values():
             if pending.is_push and not pending.registered:
                 continue  # the producer learns of it with the PushReg
+            if pending.received:
+                continue  # its digest check may still run, but the producer's part is done
             groups.setdefault((pending.remote.address, pending.remote.engine_id), []).append(pending)
         for kept in self.kept.values():
             groups.setdefault((kept.remote.address, kept.remote.engine_id), []).append(kept)
@@ -836,7 +849,7 @@ class ConsumerSide:
         if judge:
             # A keep-alive's blocks are only a hint; its Pull checks them again and fails then.
             for item in foreign:
-                if isinstance(item, ConsumerRequest) and not item.transferring and item.key in self.requests:
+                if isinstance(item, ConsumerRequest) and item.judged_by_heartbeats and item.key in self.requests:
                     self._fail(item, self._foreign[item.key], reason_label="foreign_blocks")
             lost = [item for item in unknown if self._is_lost((item.engine_id, item.request_id), now)]
             self._producer_lost(
@@ -853,7 +866,7 @@ class ConsumerSide:
                     log.warning(
                         "producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id, reason=reason
                     )
-            elif not item.transferring and key in self.requests:
+            elif item.judged_by_heartbeats and key in self.requests:
                 if item.is_push and item.registered and label == "peer_unreachable":
                     self._fail_fenced(item, reason, label)  # it may be hung, not dead, and write later
                 else:
