@@ -56,7 +56,11 @@ def print_matrix() -> Iterator[None]:
 )
 def test_cell(cell: Cell, sidecars: Any, engines: Any) -> None:
     run = Run(cell, sidecars, engines)
-    verdict = run.execute()
-    run.recover_and_transfer()
+    try:
+        verdict = run.execute()
+        run.recover_and_transfer()
+    except AssertionError as exc:  # a step of the cell itself went wrong: the table still shows it
+        verdict = run.verdict
+        verdict.problems.append(f"the cell could not run: {' '.join(str(exc).split())[:300]}")
     RESULTS.append(verdict)
     assert verdict.green, f"{cell.id}: {verdict.row()}"
