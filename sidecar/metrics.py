@@ -62,7 +62,7 @@ class SidecarMetrics:
         self.request_stage = Histogram(
             "kvsidecar_request_stage_seconds",
             "Time a request spent in each stage on this sidecar, derived from its trace timeline when "
-            "it ends (stages in sidecar/stages.py; needs trace_requests > 0).",
+            "it ends (stages in sidecar/core/stages.py; needs trace_requests > 0).",
             ["side", "mode", "stage"],
             buckets=_STAGE_BUCKETS,
             registry=r,
