@@ -59,7 +59,7 @@ def test_cell(cell: Cell, sidecars: Any, engines: Any) -> None:
     try:
         verdict = run.execute()
         run.recover_and_transfer()
-    except AssertionError as exc:  # a step of the cell itself went wrong: the table still shows it
+    except (AssertionError, TimeoutError) as exc:  # a step of the cell itself went wrong: the table shows it
         verdict = run.verdict
         verdict.problems.append(f"the cell could not run: {' '.join(str(exc).split())[:300]}")
     RESULTS.append(verdict)
