@@ -167,16 +167,26 @@ def test_a_push_whose_producer_sidecar_dies_fails_within_heartbeat_periods(sidec
     assert elapsed < 8.0
 
 
-def test_the_first_pull_after_a_producer_engine_restart_succeeds(sidecars, engines) -> None:
-    """P's engine restarts under the same sidecar (new memory, new NIXL agent). D's cached handshake
-    is stale: the READ through it fails as a disconnect, and D handshakes again and reads once more."""
+@pytest.mark.parametrize("before", ["pull", "push"])
+def test_the_first_pull_after_a_producer_engine_restart_succeeds(sidecars, engines, before: str) -> None:
+    """P's engine restarts under the same sidecar (new memory, new NIXL agent); D's cached handshake
+    of it is stale. After a pull, the READ through it would fail as a disconnect. After a push (the
+    view came from the push registration's handshake: D never read from the engine, so there is no
+    NIXL connection to lose), it would fail at transfer setup (NIXL_ERR_BACKEND; issue 12, chaos
+    bug 1). Either way D's first pull from the new engine succeeds: the confirming heartbeat names
+    the engine's new generation, and D handshakes again."""
     p_side, d_side = sidecars("p"), sidecars("d")
     small = {"layers": 2, "blocks": 16, "block_len": 4096}
     producer = engines(p_side, "P", "producer", **small)
     consumer = engines(d_side, "D", "consumer", **small)
     assert producer.command("fill", blocks=[1], seed=1)["ok"]
-    assert producer.command("submit", request_id="before-p", blocks=[[1]])["ok"]
-    assert start_pull(consumer, producer, "before-d", [2], "before-p", [1])["ok"]
+    if before == "pull":
+        assert producer.command("submit", request_id="before-p", blocks=[[1]])["ok"]
+        assert start_pull(consumer, producer, "before-d", [2], "before-p", [1])["ok"]
+    else:
+        expect(consumer, producer, "before-d", [2], transfer_id="t-before")
+        assert producer.command("submit", request_id="before-p", blocks=[[1]], transfer_id="t-before",
+                                mode=PUSH)["ok"]  # fmt: skip
     assert consumer.wait_event("before-d", 10)[0]["event"] == "FINISHED_RECEIVING"
     producer.kill()
     producer = engines(p_side, "P", "producer", **small)

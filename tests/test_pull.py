@@ -218,6 +218,96 @@ def test_p_sidecar_killed_then_restarted(sidecars, engines) -> None:
     assert restarted, "D never noticed that P restarted"
 
 
+def _p_sidecar_killed_while_pulled(
+    sidecars, engines, failures_allowed: int
+) -> tuple[SidecarProcess, EngineProcess, dict[str, int]]:
+    """P's sidecar (and engine) die; D heartbeats the dead sidecar (every 0.1 s) until it fails a
+    pull "stopped answering". Returns P's stopped sidecar, D's engine and the engines' shape.
+
+    The later pull names P's engine before it registered (out of order): the waits for it are long
+    enough for a slow start on a busy machine."""
+    slow_calls = ["--set", "peer_call_timeout_seconds=10"]
+    p_args = [*slow_calls, "--set", "engine_arrival_wait_seconds=8"]
+    d_args = [*slow_calls, "--set", "heartbeat_interval_seconds=0.1", "--set", "producer_unknown_grace_seconds=20",
+              "--set", f"heartbeat_failures_allowed={failures_allowed}"]  # fmt: skip
+    p_side, d_side = sidecars("p", args=p_args), sidecars("d", args=d_args)
+    shape = {"layers": LAYERS, "blocks": BLOCKS, "block_len": BLOCK_LEN}
+    producer = engines(p_side, "P", "producer", **shape)
+    consumer = engines(d_side, "D", "consumer", **shape)
+    assert pull_and_wait(producer, consumer, "warm", [1], [1])[0]["event"] == "FINISHED_RECEIVING"
+    producer.kill()
+    p_side.kill()
+    assert start_pull(consumer, producer, "doomed-d", [2], "doomed", [2])["ok"]
+    event = consumer.wait_event("doomed-d", 60)[0]
+    assert event["event"] == "LOAD_FAILED" and "stopped answering" in event["reason"], event
+    return p_side, consumer, shape
+
+
+def _pull_from_restarted_p(engines, p_side: SidecarProcess, consumer: EngineProcess, shape: dict[str, int]) -> None:
+    """D asks P's (restarted) sidecar for a request of P's engine, which then starts and submits
+    it: D's pull must arrive intact."""
+    remote = {"address": p_side.address, "engine_id": "P", "request_id": "after", "blocks": [[3, 4]]}
+    assert consumer.command("pull", request_id="after-d", blocks=[[5, 6]], remote=remote)["ok"]
+    if p_side.process is None or p_side.process.poll() is not None:
+        p_side.start()
+    producer = engines(p_side, "P", "producer", **shape)
+    assert producer.command("fill", blocks=[3, 4], seed=7)["ok"]
+    assert producer.command("submit", request_id="after", blocks=[[3, 4]])["ok"]
+    event = consumer.wait_event("after-d", 30)[0]
+    assert event["event"] == "FINISHED_RECEIVING", event
+    assert np.array_equal(kv(producer.buffers[0])[:, [3, 4]], kv(consumer.buffers[0])[:, [5, 6]])
+
+
+def test_the_first_pull_after_a_producer_sidecar_restart_succeeds(sidecars, engines) -> None:
+    """Issue 12, chaos bug 2. After D gave up on a dead P sidecar, D's channel to P waits (backs
+    off, up to 2 s) between connection attempts. P's sidecar restarts on the same port and D's next
+    pull comes at once: it must reach the restarted P, not fail "stopped answering" on heartbeats
+    (one every 0.1 s here) that the backing-off channel failed without trying to connect."""
+    p_side, consumer, shape = _p_sidecar_killed_while_pulled(sidecars, engines, failures_allowed=2)
+    p_side.start()
+    _pull_from_restarted_p(engines, p_side, consumer, shape)
+
+
+def test_a_pull_counts_only_the_heartbeats_it_missed_itself(sidecars, engines) -> None:
+    """The failures D counted against a dead P before a pull came do not count against the pull:
+    a pull that comes while P's sidecar is still down (restarting) fails only after missing
+    heartbeat_failures_allowed heartbeats of its own (50 x 0.1 s here), and P is back before that."""
+    p_side, consumer, shape = _p_sidecar_killed_while_pulled(sidecars, engines, failures_allowed=50)
+    _pull_from_restarted_p(engines, p_side, consumer, shape)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_producer_that_freed_its_blocks_does_not_fail_a_transfer_being_checked(sidecars, engines, mode) -> None:
+    """With integrity=digest, D checks the bytes after they all arrived, and P frees its blocks
+    as soon as the transfer is over (the READ's notification, or its WRITEs completed). A heartbeat
+    that finds P no longer holding the request while D's digests run must not fail it: chaos "done"
+    cells caught LOAD_FAILED "no longer holds" for transfers whose bytes were correct."""
+    checked = ["--set", "integrity=digest"]
+    p_side = sidecars("p", args=checked)
+    # A heartbeat every 20 ms: several land while D digests 50 MiB.
+    d_side = sidecars("d", args=[*checked, "--set", "heartbeat_interval_seconds=0.02"])
+    shape = {"layers": 2, "blocks": 1024, "block_len": 65536}
+    producer = engines(p_side, "P", "producer", **shape)
+    consumer = engines(d_side, "D", "consumer", **shape)
+    source, dest = list(range(0, 800, 2)), list(range(1, 801, 2))  # 400 blocks, not adjacent
+    assert producer.command("fill", blocks=source, seed=9)["ok"]
+    for attempt in range(3):
+        request = f"checked-{attempt}"
+        if mode == "pull":
+            assert producer.command("submit", request_id=request, blocks=[source])["ok"]
+            assert start_pull(consumer, producer, f"{request}-d", dest, request, source)["ok"]
+        else:
+            remote = {"address": producer.peer_address, "engine_id": "P"}
+            assert consumer.command("expect_push", request_id=f"{request}-d", blocks=[dest], remote=remote,
+                                    transfer_id=f"t-{request}")["ok"]  # fmt: skip
+            assert producer.command("submit", request_id=request, blocks=[source], transfer_id=f"t-{request}",
+                                    mode=2)["ok"]  # fmt: skip
+        event = consumer.wait_event(f"{request}-d", 30)[0]
+        assert event["event"] == "FINISHED_RECEIVING", {k: v for k, v in event.items() if k != "failed_block_ids"}
+        sent, received = kv(producer.buffers[0], 2, 1024, 65536), kv(consumer.buffers[0], 2, 1024, 65536)
+        assert np.array_equal(sent[:, source], received[:, dest])
+
+
 def test_p_sidecar_killed_during_a_large_pull_ends_in_a_terminal_event(sidecars, engines) -> None:
     p_side, d_side = sidecars("p"), sidecars("d")
     big = {"layers": 4, "blocks": 64, "block_len": 1 << 20}  # 256 MiB per engine

@@ -584,11 +584,6 @@ def test_consumer_sidecar_restart_fails_inflight_request_to_recompute(cluster: C
     assert_loaded_from_outside(recovered, 150, "pull")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 12, chaos bug 2: the first pull after P's sidecar restarts can fail 'connection refused' while "
-    "D's peer channel is still in reconnect backoff (D recomputes; the answer stays right)",
-)
 def test_prefill_sidecar_killed_before_decode_loads(cluster: Cluster) -> None:
     """P's sidecar dies after P answered and before D loads: D's request still completes with the
     right output (vLLM recomputes) within a bound; after a restart the P shim registers again and

@@ -173,16 +173,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, caller_sidecar_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("sidecar_id", "unknown", "lease_seconds", "foreign_blocks")
+    __slots__ = ("sidecar_id", "unknown", "lease_seconds", "foreign_blocks", "engine_generation")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FOREIGN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     unknown: _containers.RepeatedCompositeFieldContainer[RequestKey]
     lease_seconds: float
     foreign_blocks: _containers.RepeatedCompositeFieldContainer[RequestKey]
-    def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., foreign_blocks: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ...) -> None: ...
+    engine_generation: str
+    def __init__(self, sidecar_id: _Optional[str] = ..., unknown: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., lease_seconds: _Optional[float] = ..., foreign_blocks: _Optional[_Iterable[_Union[RequestKey, _Mapping]]] = ..., engine_generation: _Optional[str] = ...) -> None: ...
 
 class PeerQueryCacheRequest(_message.Message):
     __slots__ = ("caller_sidecar_id", "engine_id", "conversation_id", "request_id", "block_hashes")

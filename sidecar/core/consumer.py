@@ -87,10 +87,14 @@ class ConsumerRequest:
     notices: NoticeTally = field(default_factory=NoticeTally)
     registered: bool = False  # push: the producer accepted the registration
     transferring: bool = False  # pull: READs in flight
+    # Every byte arrived (the READ ended well, or every WRITE notification came); only the digest
+    # check may remain. The producer may free its blocks now: it owes this request nothing more.
+    received: bool = False
     cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
     cancel_reason: str = ""
     bytes_moved: int = 0
     digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
+    missed_heartbeats: int = 0  # consecutive periodic heartbeats for it that its producer did not answer
     # push: set once the PushReg call returned (or failed); a release waits for it first.
     registration_done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -106,6 +110,12 @@ class ConsumerRequest:
     def reads_remote(self) -> bool:
         return not self.is_push
 
+    @property
+    def judged_by_heartbeats(self) -> bool:
+        """A heartbeat's answer may fail it: not while its READ runs (the READ's end decides), nor
+        once every byte arrived (the producer that freed it meanwhile did nothing wrong)."""
+        return not (self.transferring or self.received)
+
     def heartbeat_key(self) -> peer_pb2.RequestKey:
         return peer_pb2.RequestKey(
             request_id=self.remote.request_id, transfer_id=self.transfer_id, consumer_request_id=self.request_id
@@ -120,6 +130,7 @@ class KeptAlive:
     request_id: str
     transfer_id: str
     remote: engine_pb2.RemoteBlocks
+    missed_heartbeats: int = 0
     reads_remote = True  # its Pull (if it becomes one) reads remote.block_ids
 
     def heartbeat_key(self) -> peer_pb2.RequestKey:
@@ -353,6 +364,7 @@ class ConsumerSide:
             f"the producer's WRITE into {worker.agent_name} completed",
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
+            pending.received = True
             self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
                 time.monotonic() - pending.created
             )
@@ -482,13 +494,17 @@ class ConsumerSide:
                         on_step=ctx.trace.hook("consumer", pending.engine_id, pending.request_id),
                     )
                 )
-                if outcome.ok or not outcome.peer_gone or attempt == 2 or pending.cancel_reason:
+                if outcome.ok or attempt == 2 or pending.cancel_reason or ctx.peers.is_self(address):
                     break
-                if ctx.peers.is_self(address):
+                # The producer's engine may have re-registered (new agents) since we cached its
+                # handshake: NIXL reports that as a disconnect (an endpoint to the old agent), and
+                # a heartbeat that saw the new generation dropped the view meanwhile. Handshake
+                # afresh and read once more.
+                stale = ctx.peers.cached_view(address, pending.remote.engine_id) is not view
+                if not (outcome.peer_gone or stale):
                     break
-                # The producer's engine may have re-registered (new agent) since we cached its
-                # handshake: NIXL reports that as a disconnect. Handshake afresh and read once more.
-                log.info("pull_retry_after_disconnect", peer=address, engine_id=pending.remote.engine_id)
+                log.info("pull_retry_after_stale_handshake", peer=address, engine_id=pending.remote.engine_id,
+                         error=outcome.error)  # fmt: skip
                 await ctx.peers.forget_engine(address, pending.remote.engine_id, "transfer from it failed")
         except TimeoutError:
             self._fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
@@ -514,6 +530,7 @@ class ConsumerSide:
             await self._tell_producer(pending, consumed=False, reason=pending.cancel_reason)
             return
         if outcome.ok:
+            pending.received = True
             ctx.metrics.request_duration.labels(mode="pull", side="consumer").observe(
                 time.monotonic() - pending.created
             )
@@ -744,6 +761,8 @@ class ConsumerSide:
         for pending in self.requests.values():
             if pending.is_push and not pending.registered:
                 continue  # the producer learns of it with the PushReg
+            if pending.received:
+                continue  # its digest check may still run, but the producer's part is done
             groups.setdefault((pending.remote.address, pending.remote.engine_id), []).append(pending)
         for kept in self.kept.values():
             groups.setdefault((kept.remote.address, kept.remote.engine_id), []).append(kept)
@@ -782,12 +801,22 @@ class ConsumerSide:
         except SidecarError as exc:
             if raise_errors:
                 raise
-            failures = ctx.peers.failures(address)
-            log.warning("heartbeat_failed", peer=address, failures=failures, error=str(exc))
-            if failures >= ctx.settings.heartbeat_failures_allowed:
-                self._producer_lost(group, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
+            log.warning("heartbeat_failed", peer=address, failures=ctx.peers.failures(address), error=str(exc))
+            # Each request counts the heartbeats it missed itself: failures from before it came (the
+            # peer was down, then restarted) say nothing about the peer it asks now.
+            for item in group:
+                item.missed_heartbeats += 1
+            lost = [item for item in group if item.missed_heartbeats >= ctx.settings.heartbeat_failures_allowed]
+            self._producer_lost(lost, f"producer sidecar {address} stopped answering: {exc}", "peer_unreachable")
             return list(group)
         now = time.monotonic()
+        for item in group:
+            item.missed_heartbeats = 0
+        cached = ctx.peers.cached_generation(address, engine_id)
+        if response.engine_generation and cached is not None and cached != response.engine_generation:
+            # The producer's engine re-registered (restarted) since we handshook it: its NIXL agents
+            # are new. Transfer setup through the stale view would fail; the next use handshakes again.
+            await ctx.peers.forget_engine(address, engine_id, "engine re-registered")
         if response.lease_seconds > 0:
             pace_key, pace = self._pace_key(address, engine_id), max(0.05, response.lease_seconds / 3.0)
             if pace < self._pace.get(pace_key, float("inf")):
@@ -820,7 +849,7 @@ class ConsumerSide:
         if judge:
             # A keep-alive's blocks are only a hint; its Pull checks them again and fails then.
             for item in foreign:
-                if isinstance(item, ConsumerRequest) and not item.transferring and item.key in self.requests:
+                if isinstance(item, ConsumerRequest) and item.judged_by_heartbeats and item.key in self.requests:
                     self._fail(item, self._foreign[item.key], reason_label="foreign_blocks")
             lost = [item for item in unknown if self._is_lost((item.engine_id, item.request_id), now)]
             self._producer_lost(
@@ -837,7 +866,7 @@ class ConsumerSide:
                     log.warning(
                         "producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id, reason=reason
                     )
-            elif not item.transferring and key in self.requests:
+            elif item.judged_by_heartbeats and key in self.requests:
                 if item.is_push and item.registered and label == "peer_unreachable":
                     self._fail_fenced(item, reason, label)  # it may be hung, not dead, and write later
                 else:

@@ -465,8 +465,13 @@ class ProducerSide:
             if any(active[1] == key.consumer_request_id for active in self._pushing):
                 continue
             unknown.append(key)
+        engine = ctx.registry.engines.get(request.engine_id)
         return peer_pb2.HeartbeatResponse(
-            sidecar_id=ctx.identity.sidecar_id, unknown=unknown, lease_seconds=extension, foreign_blocks=foreign
+            sidecar_id=ctx.identity.sidecar_id,
+            unknown=unknown,
+            lease_seconds=extension,
+            foreign_blocks=foreign,
+            engine_generation=engine.generation if engine is not None else "",
         )
 
     async def handle_release(

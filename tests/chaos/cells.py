@@ -49,8 +49,7 @@ LEASE = 2.0
 STOP_SECONDS = LEASE + 1.5  # held stopped for longer than the lease
 SETTINGS = {
     "lease_seconds": LEASE,  # heartbeats every lease / 6
-    # Above the peer channel's 2 s reconnect backoff (peers.py): with less, the first call to a
-    # peer that restarted can time out while its channel is still backing off.
+    # Short, so that a call to a stopped peer ends within the cell's bound.
     "peer_call_timeout_seconds": 3.0,
     "transfer_timeout_seconds": 4.0,
     "producer_unknown_grace_seconds": 2.0,
