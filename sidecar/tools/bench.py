@@ -275,6 +275,22 @@ def measure(
     )
 
 
+def _open_loop(call: Callable[[], None], count: int, rate: float, workers: int) -> float:
+    """Start ``count`` calls open loop at ``rate`` per second (each on its schedule, whether or not
+    the earlier ones finished) and wait for all of them; returns the seconds from the first start."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(workers) as executor:
+        futures = []
+        for index in range(count):
+            delay = started + index / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(executor.submit(call))
+        for future in futures:
+            future.result()
+    return time.perf_counter() - started
+
+
 def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row:
     """Open loop: 1-block requests started every 1/rate seconds, each in its own thread."""
     scenario = Scenario(pair.layout.block_len, 1, "adjacent", 1)
@@ -290,17 +306,7 @@ def control_plane(pair: TransferPair, mode: str, rate: float, count: int) -> Row
 
     transfer(source, destination)  # warm-up
     pair.completed.clear()
-    started = time.perf_counter()
-    with ThreadPoolExecutor(64) as executor:
-        futures = []
-        for index in range(count):
-            delay = started + index / rate - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            futures.append(executor.submit(one))
-        for future in futures:
-            future.result()
-    elapsed = time.perf_counter() - started
+    elapsed = _open_loop(one, count, rate, workers=64)
     extra: dict[str, Any] = {"target_rps": rate, "achieved_rps": count / elapsed}
     extra.update(control_path(pair))
     return Row(
@@ -385,17 +391,7 @@ def mixed_load(pair: TransferPair, mode: str, label: str, large_blocks: int, sma
     for thread in streams:
         thread.start()
     time.sleep(0.05)  # both streams are moving
-    started = time.perf_counter()
-    with ThreadPoolExecutor(16) as executor:
-        futures = []
-        for index in range(small_count):
-            delay = started + index / MIXED_SMALL_RPS - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            futures.append(executor.submit(one))
-        for future in futures:
-            future.result()
-    elapsed = time.perf_counter() - started
+    elapsed = _open_loop(one, small_count, MIXED_SMALL_RPS, workers=16)
     stop.set()
     for thread in streams:
         thread.join(pair.request_timeout)
