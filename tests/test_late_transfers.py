@@ -8,17 +8,13 @@ engine's own shared-memory file the moment their terminal event arrives.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from engine_shim.client import SidecarClient
-from tests.support.processes import EngineProcess, SidecarProcess, wait_until
+from tests.support.processes import EngineProcess, SidecarProcess, stopped, wait_until
 from tests.test_pull import start_pull
 from tests.test_push import PUSH, expect
 
@@ -32,17 +28,6 @@ def kv(engine: EngineProcess, writable: bool = False) -> np.ndarray:
     return np.memmap(
         engine.buffers[0], dtype=np.uint8, mode="r+" if writable else "r", shape=(LAYERS, BLOCKS, BLOCK_LEN)
     )
-
-
-@contextmanager
-def stopped(sidecar: SidecarProcess) -> Iterator[None]:
-    """SIGSTOP the sidecar's process for the block; SIGCONT after it."""
-    assert sidecar.process is not None
-    os.kill(sidecar.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(sidecar.process.pid, signal.SIGCONT)
 
 
 def reuse(engine: EngineProcess, blocks: list[int], value: int) -> None:

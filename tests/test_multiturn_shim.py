@@ -4,11 +4,7 @@ vLLM engine: see tests/test_vllm_multiturn.py for that)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -16,7 +12,7 @@ import pytest
 from engine_shim.client import SidecarClient
 from engine_shim.vllm.load_costs import LoadCosts
 from engine_shim.vllm.multiturn import HeldPrefix, LoadPlan, MultiTurn, MultiTurnConfig, plan_load
-from tests.support.processes import SidecarProcess, wait_until
+from tests.support.processes import stopped, wait_until
 
 BS = 32
 CONFIG = MultiTurnConfig(enabled=True, recompute_threshold=64, expiry_margin=5.0)
@@ -121,17 +117,6 @@ def vllm_request(request_id: str, tokens: list[int], params: dict[str, Any]) -> 
     init_none_hash(sha256)
     sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
     return Request(request_id, tokens, sampling, None, block_hasher=get_request_block_hasher(BS, sha256))
-
-
-@contextmanager
-def stopped(sidecar: SidecarProcess) -> Iterator[None]:
-    """The sidecar cannot answer while this lasts (SIGSTOP), so a query stays in flight."""
-    assert sidecar.process is not None
-    os.kill(sidecar.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(sidecar.process.pid, signal.SIGCONT)
 
 
 def test_d_holds_a_finished_turn_and_p_loads_it_without_blocking_the_scheduler(sidecars, engines) -> None:

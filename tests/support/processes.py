@@ -7,11 +7,15 @@ bound. Sockets live in per-test temporary directories.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +210,15 @@ class EngineProcess:
         # The engine names its files kvsidecar-<pid>-*; remove them even if it died before saying so.
         for path in Path("/dev/shm").glob(f"kvsidecar-{self.process.pid}-*"):
             path.unlink(missing_ok=True)
+
+
+@contextmanager
+def stopped(sidecar: SidecarProcess) -> Iterator[None]:
+    """SIGSTOP the sidecar's process for the block (it answers nothing: calls to it stay in
+    flight), SIGCONT after it."""
+    assert sidecar.process is not None
+    os.kill(sidecar.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(sidecar.process.pid, signal.SIGCONT)
