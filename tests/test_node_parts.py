@@ -341,3 +341,46 @@ def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
             producer.leases.close()
 
     run(scenario)
+
+
+def test_a_registration_whose_caller_left_while_its_agent_was_made_leaves_no_agent(tmp_path: Path) -> None:
+    """RegisterWorker past its deadline (a busy sidecar: the agent is made on the NIXL owner thread,
+    behind its other commands): the owner thread still makes the agent after the call is gone, so
+    the sidecar drops it once made and only then revokes the mapping; nothing stays registered."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            transport = h.node.transport
+            real_create = transport.create_agent
+            gate = asyncio.Event()
+
+            async def owner_thread_create(*args: Any) -> bytes:
+                async def later() -> bytes:  # the owner thread runs the queued command whatever the caller does
+                    await gate.wait()
+                    return await real_create(*args)
+
+                return await asyncio.shield(asyncio.ensure_future(later()))
+
+            transport.create_agent = owner_thread_create  # type: ignore[method-assign]
+            buffer = SharedBuffer(LAYOUT.total_bytes)
+            try:
+                registration = kv_registration("late-0", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+                call = asyncio.ensure_future(h.node.registrations.register_worker(registration))
+                await asyncio.sleep(0.2)  # mapped; the agent is queued
+                tombstoned = h.node.registrations.memory.tombstoned_bytes
+                call.cancel()  # the client's deadline passed
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                gate.set()  # the owner thread gets to it
+                for _ in range(100):
+                    await asyncio.sleep(0.02)
+                    if h.node.registrations.memory.tombstoned_bytes > tombstoned:
+                        break
+                assert not [name for name in h.fabric.agents if "late-0" in name], "an abandoned agent stayed"
+                assert h.node.registrations.memory.tombstoned_bytes > tombstoned  # its mapping was revoked
+                assert "late-0" not in h.node.registry.engines
+            finally:
+                gate.set()
+                buffer.close()
+
+    run(scenario)
