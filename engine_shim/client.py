@@ -79,14 +79,16 @@ def remote(
 log = logging.getLogger("kvsidecar.engine_shim")
 
 
-_DETAILS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
-
-
-class _CallDetails(collections.namedtuple("_CallDetails", _DETAILS), grpc.ClientCallDetails):  # type: ignore[misc]
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
-class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Adds the session token to every call (see the module docstring). Thread-safe."""
 
     def __init__(self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0) -> None:
