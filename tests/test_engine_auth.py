@@ -41,6 +41,9 @@ def _logged(sidecar, event: str, **fields: object) -> dict:
 def test_a_call_without_a_token_is_refused_and_health_needs_none(sidecars) -> None:
     side = sidecars("s")
     assert auth_socket_for(side.socket).stat().st_mode & 0o777 == 0o600  # the engine socket's mode
+    # The credential socket is up before the engine socket: a client that finds one finds both
+    # (the launcher's readiness call was not refused).
+    assert not [e for e in side.log_events() if e.get("event") == "engine_call_refused"]
     with grpc.insecure_channel(f"unix:{side.socket}") as channel:
         with pytest.raises(grpc.RpcError) as refused:
             _status(channel)

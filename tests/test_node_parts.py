@@ -384,3 +384,36 @@ def test_a_registration_whose_caller_left_while_its_agent_was_made_leaves_no_age
                 buffer.close()
 
     run(scenario)
+
+
+def test_a_pull_whose_engine_dies_while_its_read_runs_ends_when_the_read_does(tmp_path: Path) -> None:
+    """D's engine dies while its READ is in flight (found by chaos cell pull in_flight D_engine kill):
+    the request is left to the READ's end, and with integrity=digest the digest check then finds the
+    engine gone. It must end the request there, not raise in the background and keep the request
+    (GetStatus showed pending_receives=1 forever)."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, integrity="digest") as h:
+            h.p.fill([3, 4, 5], seed=2)
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-9", [[3, 4, 5]]))
+            h.fabric.gate = asyncio.Event()  # the READ stays in flight
+            pull = SidecarClient.pull_request(D, "req-9-d", [[7, 8, 9]], remote(ADDRESS, P, "req-9", [[3, 4, 5]]))
+            await h.node.consumer.pull(pull)
+            for _ in range(100):
+                if h.fabric.transfers:
+                    break
+                await asyncio.sleep(0.02)
+            assert h.fabric.transfers, "the READ never started"
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            gone = asyncio.ensure_future(h.node.registrations.remove_worker(worker, "event stream closed"))
+            await asyncio.sleep(0.1)  # its requests were asked to end; the READ still runs
+            h.fabric.gate.set()
+            await asyncio.wait_for(gone, 10)
+            for _ in range(100):
+                if not h.node.consumer.requests:
+                    break
+                await asyncio.sleep(0.02)
+            assert not h.node.consumer.requests, "the pull of a dead engine was kept"
+
+    run(scenario)

@@ -121,6 +121,8 @@ class SidecarServer:
             [ENGINE_SERVICE, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
         )
         _prepare_socket_path(self._socket_path, settings.engine_socket_mode)
+        # Tokens first: a client that finds the engine socket finds its credential socket too.
+        await self._credentials.start()
         previous_umask = os.umask(0o177)
         try:
             self.engine_server.add_insecure_port(f"unix:{self._socket_path}")
@@ -149,7 +151,6 @@ class SidecarServer:
         advertise = advertised_address(settings, self.peer_port)
         host, _ = split_host_port(settings.peer_listen, "peer_listen")
         await node.start(advertise, [f"{host}:{self.peer_port}"])
-        await self._credentials.start()
         await self.engine_server.start()
         await self.peer_server.start()
         os.chmod(self._socket_path, settings.engine_socket_mode)
@@ -227,8 +228,8 @@ class SidecarServer:
         if self._owns_socket:  # never remove the socket of another daemon we refused to replace
             with contextlib.suppress(FileNotFoundError):
                 self._socket_path.unlink()
-            if self._credentials is not None:
-                await self._credentials.stop()
+        if self._credentials is not None:  # removes its socket only if it started (after the check above)
+            await self._credentials.stop()
         log.info("sidecar_stopped")
 
 
