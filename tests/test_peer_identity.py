@@ -2,7 +2,8 @@
 another cluster member (a certificate from the same CA) is refused with PERMISSION_DENIED naming
 why, and a `peer_refused` log line, when it releases, heartbeats or re-registers someone else's
 request, or fails a push it is not the producer of. Certificates reload without a restart. The
-engine socket's mode refuses other users (the token check: test_engine_auth.py). Real sidecars, real NIXL, simulated engines that check bytes."""
+engine socket's mode refuses other users (the token check: test_engine_auth.py). Real sidecars,
+real NIXL, simulated engines that check bytes."""
 
 from __future__ import annotations
 
