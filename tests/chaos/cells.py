@@ -41,7 +41,10 @@ LAYERS, BLOCKS, BLOCK_LEN = 2, 1024, 65536
 # 400 non-adjacent blocks per layer (NIXL cannot merge them), 50 MiB in all: on this machine a
 # transfer stays in flight for ~30-60 ms after the Pull/SubmitBlocks call returns, and the fault
 # follows the call at once. A cell records when the transfer had already ended (it is not green
-# then: the phase was not hit).
+# then: the phase was not hit). On a quiet machine that window was too short for the fault of a
+# few in_flight cells, so those cells post one block per NIXL post (IN_FLIGHT_SETTINGS): the
+# product's own split path (deadline and lease checked before every chunk, only the last
+# notifies), ~800 posts that keep the transfer in flight several times longer.
 SOURCE_BLOCKS = list(range(0, 800, 2))
 DEST_BLOCKS = list(range(1, 801, 2))
 SEED, STALE_SEED, REUSE_SEED = 11, 22, 33
@@ -71,8 +74,12 @@ BOUND = 8.0
 SETTLE = 2.0  # after both sides ended, how long a late transfer has to show itself
 
 
-def sidecar_args() -> list[str]:
-    return [arg for name, value in SETTINGS.items() for arg in ("--set", f"{name}={value}")]
+IN_FLIGHT_SETTINGS = {"nixl.max_post_bytes": BLOCK_LEN}
+
+
+def sidecar_args(phase: str = "") -> list[str]:
+    settings = {**SETTINGS, **(IN_FLIGHT_SETTINGS if phase == "in_flight" else {})}
+    return [arg for name, value in settings.items() for arg in ("--set", f"{name}={value}")]
 
 
 @dataclass(frozen=True)
@@ -143,8 +150,8 @@ class Run:
     def __init__(self, cell: Cell, sidecars: Any, engines: Any) -> None:
         self.cell = cell
         self.sidecars, self.engines = sidecars, engines
-        self.p_side = sidecars("p", args=sidecar_args())
-        self.d_side = sidecars("d", args=sidecar_args())
+        self.p_side = sidecars("p", args=sidecar_args(cell.phase))
+        self.d_side = sidecars("d", args=sidecar_args(cell.phase))
         role_p, role_d = ("both", "both") if cell.mode == "multiturn" else ("producer", "consumer")
         self.p = engines(self.p_side, "P", role_p, layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
         self.d = engines(self.d_side, "D", role_d, layers=LAYERS, blocks=BLOCKS, block_len=BLOCK_LEN)
