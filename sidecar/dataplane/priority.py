@@ -73,9 +73,7 @@ class PostPriority:
                 return
             self._normal = (policy, os.sched_getparam(0))
         try:
-            # Threads NIXL/UCX start from a raised post must not inherit it: reset on fork.
-            policy = os.SCHED_FIFO | getattr(os, "SCHED_RESET_ON_FORK", 0)
-            os.sched_setscheduler(0, policy, os.sched_param(self.priority))
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.priority))
         except OSError as exc:
             self._enabled = False
             log.warning(
