@@ -16,8 +16,8 @@ warmed up, measured and stopped, all in ONE invocation:
 - ``kvsidecar-push-grpc-spin`` / ``kvsidecar-pull-grpc-spin`` (diagnostic, not the product): kvsidecar
   with ``bench/grpc_spin_sitecustomize.py`` in the engines, which keeps gRPC's channel-spin thread
   alive instead of starting a thread per call (see that file for why).
-- ``kvsidecar-push-normal-prio`` / ``kvsidecar-pull-normal-prio`` (A/B of a setting): kvsidecar with
-  ``nixl.post_priority=0``, i.e. NIXL posts (on one host: the copy) at normal priority.
+- ``kvsidecar-push-post-priority`` / ``kvsidecar-pull-post-priority`` (A/B of a setting): kvsidecar
+  with ``nixl.post_priority=1``, i.e. NIXL posts (on one host: the copy) as ``SCHED_FIFO``.
 
 Flow per measured request: the client sends P's leg (``max_tokens=1``, not timed), then D's leg
 with P's ``kv_transfer_params``, streamed; D's time to first token (TTFT) is the time from sending
@@ -156,20 +156,20 @@ CONFIGS: dict[str, Config] = {
             grpc_spin_patch=True,
         ),
         Config(
-            "kvsidecar-push-normal-prio",
-            "kvsidecar push, posts at normal priority (nixl.post_priority=0)",
+            "kvsidecar-push-post-priority",
+            "kvsidecar push, posts as SCHED_FIFO (nixl.post_priority=1)",
             "kvsidecar, A/B",
             "sidecar",
             "push",
-            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "0"),),
+            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
         ),
         Config(
-            "kvsidecar-pull-normal-prio",
-            "kvsidecar pull, posts at normal priority (nixl.post_priority=0)",
+            "kvsidecar-pull-post-priority",
+            "kvsidecar pull, posts as SCHED_FIFO (nixl.post_priority=1)",
             "kvsidecar, A/B",
             "sidecar",
             "pull",
-            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "0"),),
+            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
         ),
         Config(
             "kvsidecar-pull-grpc-spin",

@@ -13,6 +13,9 @@ copy gets its CPU time in one go. The thread is raised from a post until it next
 copies and never waits for another process); it sleeps, and wakes for commands and polls, as a
 normal thread.
 
+Off by default (``nixl.post_priority=0``): with it on, end-to-end runs next to vLLM cut the copy
+8-10x but also showed rare multi-second outliers not yet explained (bench/README.md).
+
 It needs ``CAP_SYS_NICE`` or an ``RLIMIT_RTPRIO`` of at least the priority (systemd:
 ``LimitRTPRIO=``, and no ``RestrictRealtime=yes``). Without it the first post logs
 ``nixl_post_priority_not_permitted`` once and every post runs as before.
