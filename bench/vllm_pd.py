@@ -16,6 +16,8 @@ warmed up, measured and stopped, all in ONE invocation:
 - ``kvsidecar-push-grpc-spin`` / ``kvsidecar-pull-grpc-spin`` (diagnostic, not the product): kvsidecar
   with ``bench/grpc_spin_sitecustomize.py`` in the engines, which keeps gRPC's channel-spin thread
   alive instead of starting a thread per call (see that file for why).
+- ``kvsidecar-push-post-priority`` / ``kvsidecar-pull-post-priority`` (A/B of a setting): kvsidecar
+  with ``nixl.post_priority=1``, i.e. NIXL posts (on one host: the copy) as ``SCHED_FIFO``.
 
 Flow per measured request: the client sends P's leg (``max_tokens=1``, not timed), then D's leg
 with P's ``kv_transfer_params``, streamed; D's time to first token (TTFT) is the time from sending
@@ -117,6 +119,7 @@ class Config:
     concurrent_key: str = ""  # also measure concurrent dispatch under this row key (push only)
     concurrent_label: str = ""
     grpc_spin_patch: bool = False  # diagnostic: bench/grpc_spin_sitecustomize.py on the servers' PYTHONPATH
+    sidecar_env: tuple[tuple[str, str], ...] = ()  # extra environment of the sidecars (settings A/B)
 
 
 CONFIGS: dict[str, Config] = {
@@ -151,6 +154,22 @@ CONFIGS: dict[str, Config] = {
             "sidecar",
             "push",
             grpc_spin_patch=True,
+        ),
+        Config(
+            "kvsidecar-push-post-priority",
+            "kvsidecar push, posts as SCHED_FIFO (nixl.post_priority=1)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "push",
+            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
+        ),
+        Config(
+            "kvsidecar-pull-post-priority",
+            "kvsidecar pull, posts as SCHED_FIFO (nixl.post_priority=1)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "pull",
+            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
         ),
         Config(
             "kvsidecar-pull-grpc-spin",
@@ -492,7 +511,7 @@ class Bench:
         if config.connector == "sidecar":
             for side in ("P", "D"):
                 port = free_port()
-                env = {}
+                env = dict(config.sidecar_env)
                 if os.environ.get("KVBENCH_SIDECAR_PYTHONPATH"):  # diagnostics, as for the servers
                     env["PYTHONPATH"] = os.pathsep.join((os.environ["KVBENCH_SIDECAR_PYTHONPATH"], str(REPO)))
                 args = ["--metrics-listen", f"127.0.0.1:{port}"]

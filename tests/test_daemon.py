@@ -175,7 +175,13 @@ def test_systemd_unit_verifies() -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     text = unit.read_text()
-    for line in ("Type=notify", "WatchdogSec=", "EnvironmentFile=", "ReadWritePaths=/dev/shm /run/kvsidecar"):
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "EnvironmentFile=",
+        "ReadWritePaths=/dev/shm /run/kvsidecar",
+        "LimitRTPRIO=",
+    ):
         assert line in text
 
 

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from engine_shim.memory import SharedBuffer
 from sidecar.config import NixlSettings
@@ -166,3 +174,101 @@ def test_a_large_transfer_goes_in_chunks_and_a_small_one_is_not_held_behind_it()
         await transport.stop()
 
     asyncio.run(scenario())
+
+
+def read_twice(settings: NixlSettings, seen: list[tuple[int, int, str]]) -> bool:
+    """Two READs between two agents of one transport; ``seen`` gets, for each NIXL post, the
+    posting thread's scheduling policy, real-time priority and kernel name, and after each transfer
+    the owner thread's policy once it is idle. Returns whether the bytes arrived. Also run by the
+    subprocess of ``test_post_priority_fails_soft_when_not_permitted``."""
+
+    async def scenario() -> bool:
+        transport = NixlTransport(settings, lambda batch: None)
+        transport.start(asyncio.get_running_loop())
+        size = LAYERS * BLOCKS * BLOCK_LEN
+        with SharedBuffer(size) as source, SharedBuffer(size) as target:
+            source.array[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+            src, dst = layout(source.array.ctypes.data), layout(target.array.ctypes.data)
+            meta_src = await transport.create_agent("src", [(source.array.ctypes.data, size, 0)], "DRAM")
+            await transport.create_agent("dst", [(target.array.ctypes.data, size, 0)], "DRAM")
+            # Observe the real post from inside it: the owner thread's state while NIXL copies.
+            agent = transport._agents["dst"].agent
+            post = agent.transfer
+
+            def observed(handle: object) -> str:
+                tid = threading.get_native_id()
+                with open(f"/proc/self/task/{tid}/comm") as comm:
+                    seen.append((os.sched_getscheduler(0), os.sched_getparam(0).sched_priority, comm.read().strip()))
+                return str(post(handle))
+
+            agent.transfer = observed
+            local_list = DlistSpec("whole", lambda: view_descriptors(dst, Slice()))
+            remote_list = DlistSpec("whole", lambda: view_descriptors(src, Slice()))
+            for blocks in (list(range(0, 32)), list(range(32, BLOCKS))):
+                ids = (tuple(blocks),)
+                result = await transport.transfer(TransferSpec(
+                    "dst", "READ", RemoteAgent("src", meta_src), local_list, descriptor_indices(dst, ids),
+                    remote_list, descriptor_indices(src, ids), b"", time.monotonic() + 10,
+                ))  # fmt: skip
+                assert result.ok, result.error
+                # Once idle it sleeps as a normal thread (it lowers itself before sleeping).
+                deadline = time.monotonic() + 5
+                while set(owner_policies()) != {os.SCHED_OTHER} and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                policies = set(owner_policies())  # with NIXL's threads the owner started (same name)
+                seen.append((policies.pop() if len(policies) == 1 else -1, -1, "between posts"))
+            moved = bool(np.array_equal(source.array, target.array))
+            await transport.drop_agent("dst")
+            await transport.drop_agent("src")
+        await transport.stop()
+        return moved
+
+    return asyncio.run(scenario())
+
+
+def owner_policies(name: str = "kvsidecar-nixl") -> list[int]:
+    """Scheduling policies of this process's threads named ``name``: the owner thread and the
+    threads NIXL started from it (they inherit its name, and must not inherit a raised priority)."""
+    found = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            if comm.read().strip() == name:
+                found.append(os.sched_getscheduler(int(tid)))
+    return found
+
+
+def test_posts_run_at_the_real_time_priority_and_the_owner_thread_is_named() -> None:
+    """On one host the copy runs inside NIXL's post; with ``nixl.post_priority`` the owner thread
+    runs each post as SCHED_FIFO (next to busy-looping engines it otherwise waits for a CPU) and is
+    a normal thread again between posts. Its kernel name makes it findable (top -H, /proc)."""
+    if os.geteuid() != 0 and resource.getrlimit(resource.RLIMIT_RTPRIO)[0] < 3:
+        pytest.skip("needs root (CAP_SYS_NICE) or RLIMIT_RTPRIO >= 3")
+    seen: list[tuple[int, int, str]] = []
+    assert read_twice(NixlSettings(post_priority=3), seen)
+    between = (os.SCHED_OTHER, -1, "between posts")
+    assert seen == [(os.SCHED_FIFO, 3, "kvsidecar-nixl"), between] * 2
+    seen.clear()
+    assert read_twice(NixlSettings(post_priority=0), seen)
+    assert seen == [(os.SCHED_OTHER, 0, "kvsidecar-nixl"), between] * 2
+
+
+def test_post_priority_fails_soft_when_not_permitted() -> None:
+    """A sidecar without CAP_SYS_NICE or RLIMIT_RTPRIO (here: a subprocess as an unprivileged user
+    with no capabilities) still moves the bytes at normal priority and says why, once."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to start an unprivileged process")
+    script = (
+        "from sidecar.logs import configure_logging; configure_logging('json');"
+        "from sidecar.config import NixlSettings; from tests.test_transport import read_twice;"
+        "seen = []; ok = read_twice(NixlSettings(post_priority=1), seen); print('RESULT', ok, seen)"
+    )
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+    command += ["--bounding-set=-all", sys.executable, "-c", script]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "HOME": "/"}  # NIXL reads ~/.nixl.cfg
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = [(os.SCHED_OTHER, 0, "kvsidecar-nixl"), (os.SCHED_OTHER, -1, "between posts")] * 2
+    assert f"RESULT True {expected}" in done.stdout, done.stdout + done.stderr
+    refused = [line for line in done.stderr.splitlines() if "nixl_post_priority_not_permitted" in line]
+    assert len(refused) == 1, done.stderr[-3000:]
+    assert "LimitRTPRIO" in refused[0] and "nixl.post_priority" in refused[0]

@@ -66,6 +66,7 @@ from sidecar.dataplane.contract import (
     TransferSpec,
     XferDoneCallback,
 )
+from sidecar.dataplane.priority import PostPriority, name_thread
 from sidecar.logs import get_logger, route_foreign_loggers
 
 log = get_logger("kvsidecar.transport")
@@ -189,6 +190,7 @@ class NixlTransport:
         self._warm_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._post_priority = PostPriority(settings.post_priority)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -278,14 +280,17 @@ class NixlTransport:
     # --- owner thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_thread("kvsidecar-nixl")
         delay = _MIN_DELAY_S
         last_activity = time.monotonic()
         while True:
             if not self._is_active():
+                self._post_priority.lower()
                 item = self._commands.get()  # nothing in flight or expected: sleep until told
             elif self._splits and any(split.ready() for split in self._splits):
                 item = self._next_command()  # a chunk is ready: take what is queued, do not sleep
             else:
+                self._post_priority.lower()
                 hot = time.monotonic() - last_activity < _HOT_WINDOW_S
                 try:
                     item = self._commands.get(timeout=_MIN_DELAY_S if hot else delay)
@@ -720,6 +725,7 @@ class NixlTransport:
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
+            self._post_priority.raise_()  # the copy runs inside the post (priority.py)
             status = state.agent.transfer(handle)
         except Exception as exc:
             self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
