@@ -3,6 +3,9 @@ counts and times the call, answers undecodable requests INVALID_ARGUMENT, and ma
 domain errors (``sidecar.errors.SidecarError``) to their gRPC status. Servicers therefore stay
 one line per method.
 
+Each call records when it reached the interceptor (``trace.RPC_STARTED``), so a
+request's trace can say how long the servicer took to admit it.
+
 Runs on the event loop thread, around every servicer call.
 """
 
@@ -17,6 +20,7 @@ from typing import Any
 import grpc
 import structlog
 
+from sidecar.core.trace import RPC_STARTED
 from sidecar.errors import InvalidArgument, SidecarError
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
@@ -40,10 +44,14 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        RPC_STARTED.set(time.monotonic())
         handler = await continuation(details)
         if handler is None:
             return handler
-        service, _, method = details.method.lstrip("/").rpartition("/")
+        return self._wrap(handler, details.method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        service, _, method = full_method.lstrip("/").rpartition("/")
         deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

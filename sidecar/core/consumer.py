@@ -42,6 +42,7 @@ from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
+from sidecar.core.trace import notice_handoff, since_rpc
 from sidecar.dataplane.integrity import DigestSpan, check_span, digests, first_mismatch
 from sidecar.dataplane.memory import FenceToken, WriteFences
 from sidecar.dataplane.plan.blocks import check_block_ids
@@ -348,8 +349,9 @@ class ConsumerSide:
 
     # --- notifications ------------------------------------------------------------------------
 
-    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
-        """A producer's WRITE into ``worker`` completed. False if the request is unknown here."""
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice, seen_at: float = 0.0) -> bool:
+        """A producer's WRITE into ``worker`` completed. False if the request is unknown here.
+        ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
         pending = self.requests.get((notice.engine_id, notice.request_id))
         if pending is None or not pending.is_push:
             return False
@@ -362,6 +364,7 @@ class ConsumerSide:
             pending.request_id,
             "notification",
             f"the producer's WRITE into {worker.agent_name} completed",
+            measured=notice_handoff(seen_at),
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             pending.received = True
@@ -925,6 +928,7 @@ class ConsumerSide:
             ids=(request.remote.request_id,),
             peer=request.remote.address,
             mode="push" if pending.is_push else "pull",
+            measured=since_rpc(),
         )
         if pending.is_push:
             self._ctx.transport.expect_notifications(1)

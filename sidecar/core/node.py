@@ -182,7 +182,8 @@ class Node:
 
     # --- transport callbacks --------------------------------------------------------------------
 
-    def _on_notifications(self, batch: list[tuple[str, bytes]]) -> None:
+    def _on_notifications(self, batch: list[tuple[str, bytes]], seen_at: float = 0.0) -> None:
+        # seen_at: when the owner thread saw the batch; the trace measures the hand-off from it.
         for agent_name, payload in batch:
             worker = self.registry.by_agent(agent_name)
             if worker is None:
@@ -195,7 +196,9 @@ class Node:
             if notice.engine_id != worker.engine_id:
                 log.warning("misrouted_notification", agent=agent_name, engine_id=notice.engine_id)
                 continue
-            if not (self.consumer.on_notice(worker, notice) or self.producer.on_notice(worker, notice)):
+            if not (
+                self.consumer.on_notice(worker, notice, seen_at) or self.producer.on_notice(worker, notice, seen_at)
+            ):
                 log.warning(
                     "notification_for_unknown_request",
                     engine_id=notice.engine_id,

@@ -501,7 +501,7 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result))
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result, resumed=True))
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
@@ -578,6 +578,13 @@ def _memory(worker: WorkerLayout, region: RegionLayout) -> np.ndarray:
     return region_bytes(region.base, region.block_len, region.block_stride, worker.num_blocks)
 
 
-def _measured(result: TransferResult) -> dict[str, float] | None:
-    """NIXL's own post and transfer times of a completed transfer, for the request's stages."""
-    return {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
+def _measured(result: TransferResult, resumed: bool = False) -> dict[str, float] | None:
+    """NIXL's own post and transfer times of a completed transfer, for the request's stages, and
+    where the hand-off to and from the owner thread went (``TransferResult.handoff``; with
+    ``resumed``, ``loop_resume``: the owner thread reported it -> this coroutine ran again)."""
+    if not result.ok:
+        return None
+    measured = {"nixl_post": result.post_s, "nixl_transfer": result.duration_s, **result.handoff}
+    if resumed and result.reported_at:
+        measured["loop_resume"] = max(0.0, time.monotonic() - result.reported_at)
+    return measured
