@@ -5,6 +5,8 @@ code).
 - ``unary sync->aio``: a blocking grpc client (the engine shim, the benchmark's simulated engine)
   calls a grpc.aio server in another process over loopback TCP and gets a 30-byte answer.
 - ``unary aio->aio``: the same from a grpc.aio client (sidecar -> peer sidecar: heartbeat, PushReg).
+- ``bidi aio->aio``: one request and its answer as two messages on a bidirectional stream that
+  stays open (what a per-peer heartbeat stream would cost instead of a unary call).
 - ``stream aio->sync``: a grpc.aio server-streaming call delivers one message to a blocking client's
   reading thread (an event on ``WatchEvents``): from the server's write to the client's receipt.
 - ``loop->thread->loop``: an asyncio coroutine hands a command to a thread blocked on a
@@ -36,6 +38,7 @@ import grpc
 
 _ECHO = "/floor.Floor/Echo"
 _STREAM = "/floor.Floor/Stream"
+_BIDI = "/floor.Floor/Bidi"
 
 
 def _free_port() -> int:
@@ -54,11 +57,16 @@ def _serve(port: int, ready: multiprocessing.synchronize.Event, count: int) -> N
             await asyncio.sleep(0.002)
             yield struct.pack("d", time.time())
 
+    async def bidi(requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        async for request in requests:
+            yield request
+
     async def main() -> None:
         server = grpc.aio.server()
         handlers = {
             "Echo": grpc.unary_unary_rpc_method_handler(echo),
             "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Floor", handlers),))
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -98,6 +106,23 @@ def unary_aio(target: str, count: int) -> list[float]:
                 await call(b"x" * 30, timeout=5)
                 if index >= 100:
                     samples.append(time.perf_counter() - started)
+            return samples
+
+    return asyncio.run(main())
+
+
+def bidi_aio(target: str, count: int) -> list[float]:
+    async def main() -> list[float]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.stream_stream(_BIDI)()
+            samples = []
+            for index in range(count + 100):
+                started = time.perf_counter()
+                await call.write(b"x" * 30)
+                await call.read()
+                if index >= 100:
+                    samples.append(time.perf_counter() - started)
+            await call.done_writing()
             return samples
 
     return asyncio.run(main())
@@ -178,6 +203,7 @@ def main() -> None:
         target = f"127.0.0.1:{port}"
         print(f"unary sync->aio      {_ms(unary_sync(target, args.count))}")
         print(f"unary aio->aio       {_ms(unary_aio(target, args.count))}")
+        print(f"bidi aio->aio        {_ms(bidi_aio(target, args.count))}")
         print(f"stream aio->sync     {_ms(stream_sync(target, args.count))}")
         print(f"loop->thread->loop   {_ms(thread_handoff(args.count))}")
         print(f"thread->loop         {_ms(loop_wake(args.count))}")

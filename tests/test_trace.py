@@ -64,6 +64,15 @@ def test_pull_trace_shows_both_sidecars_from_either_end(sidecars, engines) -> No
     assert "READ" in completion.detail and "done" in completion.detail, completion.detail
     p_kinds = kinds(theirs, "producer")
     assert in_order(p_kinds, ["admitted", "heartbeat", "notification", "finished"]), p_kinds
+    # Where the hand-offs went (bench/control_timeline.py places these): the call reaching the
+    # interceptor before admission, the owner thread's part of the READ and the loop's resumption,
+    # and P's owner thread seeing the READ's notification before P's loop handled it.
+    handoff = {"owner_wait", "owner_post", "owner_done", "loop_resume", "nixl_post", "nixl_transfer"}
+    assert handoff <= set(completion.measured_s) and min(completion.measured_s.values()) >= 0, completion
+    admitted = [next(e for e in t.events if e.kind == "admitted") for t in (d_line, theirs.requests[0])]
+    assert all(e.measured_s["rpc_to_admit"] >= 0 for e in admitted), admitted
+    notification = next(e for e in theirs.requests[0].events if e.kind == "notification")
+    assert notification.measured_s["loop_wake"] >= 0, notification
 
     # From the producer's peer port (what an operator reaches on another node), by P's id: the
     # producer learned the consumer's address from its handshake.
