@@ -453,17 +453,17 @@ class ConsumerSide:
                     return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             expected = None
             for attempt in (1, 2):
-                view = await asyncio.wait_for(
-                    ctx.trace.timed(
+                # asyncio.timeout, not wait_for: wait_for runs the (usually cached, instant) lookup
+                # in a task of its own, a loop iteration later.
+                async with asyncio.timeout(ctx.settings.peer_call_timeout_seconds):
+                    view = await ctx.trace.timed(
                         "consumer",
                         pending.engine_id,
                         pending.request_id,
                         "handshake",
                         f"{address} {pending.remote.engine_id}",
                         ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
-                    ),
-                    ctx.settings.peer_call_timeout_seconds,
-                )
+                    )
                 problem = view.block_ids_problem(remote_blocks)
                 if problem:
                     raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
@@ -996,8 +996,9 @@ class ConsumerSide:
         event.transfer_id = pending.transfer_id
         event.bytes = pending.bytes_moved
         event.duration_ms = (time.monotonic() - pending.created) * 1000.0
-        self._ctx.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
+        # The engine's event first: recording the end also derives the request's stages.
         self._ctx.events.emit(pending.engine_id, event)
+        self._ctx.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:

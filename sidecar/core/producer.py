@@ -770,7 +770,7 @@ class ProducerSide:
             self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))
         self._update_gauges()
-        self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
+        # The engine's event first: recording the end also derives the request's stages.
         self._ctx.events.emit(
             pending.engine_id,
             engine_pb2.Event(
@@ -782,6 +782,7 @@ class ProducerSide:
                 duration_ms=(time.monotonic() - pending.created) * 1000.0,
             ),
         )
+        self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
 
     def _find(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest | None:
         if request_id:

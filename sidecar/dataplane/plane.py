@@ -309,7 +309,9 @@ class DataPlane:
                         target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests
                     )
                     jobs.append(self._notify_only(worker, other, payload))
-        results = list(await asyncio.gather(*jobs))
+        # One transfer (TP 1, the common case) is awaited in place: gather would wrap it in a task
+        # that starts a loop iteration later, after whatever else is ready.
+        results = [await jobs[0]] if len(jobs) == 1 else list(await asyncio.gather(*jobs))
         failed = [result for result in results if not result.ok]
         return TransferOutcome(
             ok=not failed,
