@@ -132,6 +132,7 @@ class LoadBench:
         self.groups: list[Group] = []
         self.rows: list[dict[str, Any]] = []
         self.notes: dict[str, Any] = {}
+        self.started = time.monotonic()
 
     def _proxy(self, setup: Setup) -> tuple[Group, str]:
         port = free_port()
@@ -209,6 +210,7 @@ class LoadBench:
                     self.rows.append(self.row(setup, layout, input_len, rate, result, groups, cpu_before, load_cpu,
                                               before, after))  # fmt: skip
                     row = self.rows[-1]
+                    self.save()
                     print(
                         f"  {config.key:16s} {layout:10s} {input_len:5d} tok rate {rate:>4s}: TTFT mean "
                         f"{row['mean_ttft_ms']:.1f} p50 {row['median_ttft_ms']:.1f} p99 {row['p99_ttft_ms']:.1f} ms, "
@@ -291,6 +293,7 @@ class LoadBench:
                 message = f"{type(exc).__name__}: {exc}"[:2000]
                 print(f"  FAILED: {message[:600]}", flush=True)
                 self.rows.append({"configuration": config.key, "layout": layout, "error": message})
+                self.save()
             finally:
                 if proxy is not None:
                     proxy.kill()
@@ -300,6 +303,27 @@ class LoadBench:
     def kill_all(self) -> None:
         for group in self.groups:
             group.kill()
+
+    def save(self, complete: bool = False) -> None:
+        """Write the JSON and PNG of the rows so far: after every cell, so a run stopped from
+        outside (or by a cell's bound) keeps what it measured; ``complete`` marks the last write."""
+        args = self.args
+        report = {
+            "benchmark": "vllm_load",
+            "complete": complete,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "duration_s": round(time.monotonic() - self.started, 1),
+            "smoke": args.smoke,
+            "cpus": os.cpu_count(),
+            "load_average_at_end": os.getloadavg(),
+            "versions": versions(),
+            "source": source_revision(),
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "rows": self.rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        plot(self.rows, args.png)
 
 
 def plot(rows: list[dict[str, Any]], png: Path) -> None:
@@ -379,22 +403,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vLLM P/D under load: {args.configs}, rates {args.rates}, prompts {args.input_lens}; {workdir}")
             for key in args.configs:
                 asyncio.run(bench.run_config(key))
-            report = {
-                "benchmark": "vllm_load",
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "duration_s": round(time.monotonic() - started, 1),
-                "smoke": args.smoke,
-                "cpus": os.cpu_count(),
-                "load_average_at_end": os.getloadavg(),
-                "versions": versions(),
-                "source": source_revision(),
-                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "rows": bench.rows,
-            }
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(report, indent=2) + "\n")
-            plot(bench.rows, args.png)
-            print(f"JSON: {args.json}, PNG: {args.png} ({report['duration_s']:.0f} s)")
+            bench.save(complete=True)
+            print(f"JSON: {args.json}, PNG: {args.png} ({time.monotonic() - started:.0f} s)")
             code = 0 if bench.rows and not any(row.get("error") or row.get("failed") for row in bench.rows) else 3
         except KeyboardInterrupt:
             print("\ninterrupted; cleaning up", file=sys.stderr, flush=True)
