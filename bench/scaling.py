@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 PEER_PORT = 50151
@@ -62,7 +61,7 @@ def handshake_size(socket: Path, engine_id: str) -> tuple[int, int, int]:
     request = peer_pb2.HandshakeRequest(
         caller=common_pb2.SidecarInfo(sidecar_id="0" * 32, address=f"d0.kvs.test:{PEER_PORT}"), engine_id=engine_id
     )
-    with grpc.insecure_channel(f"unix:{socket}") as channel:
+    with engine_channel(socket) as channel:
         response = peer_pb2_grpc.PeerServiceStub(channel).Handshake(request, timeout=10)
     metadata = sum(len(worker.agent_metadata) for worker in response.engine.workers)
     return request.ByteSize(), response.ByteSize(), metadata

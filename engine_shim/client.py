@@ -11,11 +11,18 @@ tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stu
   30-400 ms on a busy 2-core machine.
 - ``EventWatcher`` drains one worker's WatchEvents stream in a daemon thread into a queue; the
   owner reads it without blocking (``drain``) or with a bound (``wait``).
+- Every call carries the session token the sidecar's credential socket gave this process after
+  checking its uid (``kvsidecar.engine_auth``); ``engine_channel`` is such a channel for code that
+  uses the stubs directly (tools, tests). The token is fetched at the first call and again when
+  the sidecar refuses one as stale (it restarted), and that call is retried once.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 BlockIdsLike = Sequence[Sequence[int]]
@@ -68,17 +76,92 @@ def remote(
     )
 
 
-class SidecarClient:
-    """EngineService over the sidecar's Unix socket (or a ``host:port`` target)."""
+log = logging.getLogger("kvsidecar.engine_shim")
 
-    def __init__(self, socket_path: str | Path | None = None, target: str | None = None, timeout: float = 10.0) -> None:
-        if target is None:
-            if socket_path is None:
-                raise ValueError("give socket_path or target")
-            target = f"unix:{socket_path}"
-        self.target = target
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ["method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"]
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the session token to every call (see the module docstring). Thread-safe."""
+
+    def __init__(self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0) -> None:
+        self._auth_socket = auth_socket
+        self._timeout = timeout
+        self._token = ""
+        self._problem = ""
+        self._lock = threading.Lock()
+
+    def current(self, stale: str = "") -> str:
+        """The token, asked for when there is none yet or the one the sidecar refused is ``stale``."""
+        with self._lock:
+            if self._auth_socket is not None and (not self._token or self._token == stale):
+                try:
+                    self._token = request_token(self._auth_socket, self._timeout)
+                    self._problem = ""
+                except OSError as exc:  # refused (PermissionError) or no sidecar: the call says so
+                    self._token = ""
+                    if str(exc) != self._problem:
+                        log.warning("no session token from the sidecar: %s", exc)
+                    self._problem = str(exc)
+            return self._token
+
+    @staticmethod
+    def _with(details: grpc.ClientCallDetails, token: str) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), (TOKEN_KEY, token)] if token else details.metadata
+        extra = (getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials, *extra)
+
+    def intercept_unary_unary(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
+        token = self.current()
+        outcome = continuation(self._with(details, token), request)
+        if outcome.code() == grpc.StatusCode.PERMISSION_DENIED and NO_TOKEN in (outcome.details() or ""):
+            fresh = self.current(stale=token)  # the sidecar restarted since: a new token, once
+            if fresh and fresh != token:
+                outcome = continuation(self._with(details, fresh), request)
+        return outcome
+
+    def intercept_unary_stream(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._with(details, self.current()), request)
+
+
+def engine_channel(
+    socket_path: str | os.PathLike[str] | None = None,
+    target: str | None = None,
+    auth_socket: str | os.PathLike[str] | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """A channel to a sidecar's engine socket (or loopback ``target``) whose calls carry a session
+    token. A TCP ``target`` needs ``auth_socket`` (the credential socket next to the engine socket)."""
+    if target is None:
+        if socket_path is None:
+            raise ValueError("give socket_path or target")
+        target = f"unix:{os.fspath(socket_path)}"
+        auth_socket = auth_socket or auth_socket_for(socket_path)
+    channel = grpc.insecure_channel(target, options=list(options))
+    return grpc.intercept_channel(channel, SessionToken(auth_socket))
+
+
+class SidecarClient:
+    """EngineService over the sidecar's Unix socket (or a loopback ``host:port`` target, with the
+    ``auth_socket`` to get its session token from)."""
+
+    def __init__(
+        self,
+        socket_path: str | Path | None = None,
+        target: str | None = None,
+        timeout: float = 10.0,
+        auth_socket: str | Path | None = None,
+    ) -> None:
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = engine_channel(socket_path, target, auth_socket, _CHANNEL_OPTIONS)
+        self.target = target or f"unix:{socket_path}"
         self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._rpc_threads = concurrent.futures.ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix="kvsidecar-rpc")
 

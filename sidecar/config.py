@@ -130,6 +130,16 @@ class Settings(BaseSettings):
     engine_socket: Path = Field(default_factory=default_engine_socket)
     # Optional loopback TCP address for EngineService (HOST:PORT); must be a loopback host.
     engine_tcp_listen: str | None = None
+    # Who may call EngineService (kvsidecar.engine_auth): callers whose uid is listed, or whose
+    # gid is (SO_PEERCRED, read on the credential socket next to the engine socket), besides the
+    # daemon's own uid and root, which are always allowed (both can read the daemon's memory
+    # anyway). Others get no session token and every engine call of theirs PERMISSION_DENIED.
+    engine_allowed_uids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    engine_allowed_gids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    # Mode of the engine socket and its credential socket (octal, e.g. "0660"): the kernel's
+    # first gate. Open it (0660 with a shared group, or 0666) so that allowed users of another
+    # uid can connect at all; the token check then decides.
+    engine_socket_mode: int = 0o600
     # PeerService address to bind (HOST:PORT). Bind a routable address for cross-node peers.
     peer_listen: str = "127.0.0.1:50151"
     # Address peers use to reach this sidecar; defaults to peer_listen (with the host's name when
@@ -213,6 +223,37 @@ class Settings(BaseSettings):
     def _shm_dirs_list(cls, value: Any) -> Any:
         return _split_list(value)
 
+    @field_validator("engine_allowed_uids", "engine_allowed_gids", mode="before")
+    @classmethod
+    def _id_list(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("engine_allowed_uids", "engine_allowed_gids")
+    @classmethod
+    def _check_ids(cls, value: list[int]) -> list[int]:
+        for ident in value:
+            if not 0 <= ident < 2**32 - 1:
+                raise ValueError(f"{ident} is not a valid uid or gid")
+        return value
+
+    @field_validator("engine_socket_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, value: Any) -> Any:
+        # "0660" from a flag, the environment or a TOML string is octal, as in chmod.
+        if isinstance(value, str):
+            try:
+                return int(value, 8)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an octal file mode (e.g. 0600, 0660)") from None
+        return value
+
+    @field_validator("engine_socket_mode")
+    @classmethod
+    def _check_mode(cls, value: int) -> int:
+        if value & ~0o666 or value & 0o600 != 0o600:
+            raise ValueError(f"{value:#o}: a socket mode gives read/write only, and the owner must have both")
+        return value
+
     @field_validator("shm_dirs")
     @classmethod
     def _check_shm_dirs(cls, value: list[Path]) -> list[Path]:
@@ -258,8 +299,9 @@ class Settings(BaseSettings):
     @classmethod
     def _check_socket(cls, value: Path) -> Path:
         # sun_path holds 108 bytes including the terminating NUL.
-        if len(os.fsencode(str(value))) > 107:
-            raise ValueError(f"engine_socket path is longer than 107 bytes: {value}")
+        # The credential socket next to it (kvsidecar.engine_auth) is 5 bytes longer.
+        if len(os.fsencode(str(value))) > 107 - 5:
+            raise ValueError(f"engine_socket path is longer than 102 bytes: {value}")
         return value
 
     @model_validator(mode="after")

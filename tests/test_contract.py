@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine_shim.client import engine_channel
+from kvsidecar.engine_auth import TOKEN_KEY, auth_socket_for, request_token
 from tests.support.processes import REPO
 
 PROTO_DIR = REPO / "proto"
@@ -171,7 +173,9 @@ MALFORMED = [
 
 def test_empty_and_malformed_requests_are_invalid_argument_and_the_daemon_keeps_serving(sidecars) -> None:
     sidecar = sidecars()
-    target = ["-plaintext", "-unix", str(sidecar.socket)]
+    # A session token from the credential socket, as README says to call by hand.
+    token = request_token(auth_socket_for(sidecar.socket))
+    target = ["-plaintext", "-H", f"{TOKEN_KEY}: {token}", "-unix", str(sidecar.socket)]
     cases = [(f"EngineService/{rpc}", "{}", field) for rpc, field in ENGINE_EMPTY.items()]
     cases += [(f"PeerService/{rpc}", "{}", field) for rpc, field in PEER_EMPTY.items()]
     cases += MALFORMED
@@ -181,7 +185,7 @@ def test_empty_and_malformed_requests_are_invalid_argument_and_the_daemon_keeps_
         assert "Code: InvalidArgument" in result.stderr, f"{method} {body}: {result.stderr}"
         assert field in result.stderr, f"{method}: message does not name {field}: {result.stderr}"
     # Bytes that are not a protobuf message at all.
-    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+    with engine_channel(sidecar.socket) as channel:
         raw = channel.unary_unary("/kvsidecar.v1.EngineService/SubmitBlocks")
         with pytest.raises(grpc.RpcError) as error:
             raw(b"\xff\xff\xff\x07", timeout=5)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.engine_auth import auth_socket_for
 from tests.support.processes import REPO, SidecarProcess, python_env, wait_until
 
 
@@ -72,6 +73,7 @@ def test_sigterm_exits_zero_within_grace_and_removes_the_socket(sidecars) -> Non
     assert sidecar.terminate(timeout=10) == 0
     assert time.monotonic() - started < 3 + 2
     assert not sidecar.socket.exists()
+    assert not auth_socket_for(sidecar.socket).exists()  # the credential socket goes with it
     assert any(event.get("event") == "sidecar_stopped" for event in sidecar.log_events())
 
 
@@ -205,6 +207,9 @@ def test_every_settings_source_is_validated_the_same_and_exits_2(workdir: Path) 
         (["--lease-seconds", "nan"], {}, "", "is not a number"),
         (["--set", "peer_tls_cert=/etc/hostname"], {}, "", "peer_tls_key, peer_tls_ca"),
         (["--config", str(workdir)], {}, "", "is a directory"),
+        (["--set", "engine_socket_mode=0777"], {}, "", "a socket mode gives read/write only"),
+        (["--set", "engine_socket_mode=rw"], {}, "", "is not an octal file mode"),
+        ([], {"KVSIDECAR_ENGINE_ALLOWED_UIDS": "1000,x"}, "", "engine_allowed_uids"),
     ]
     for args, env, toml, expected in cases:
         config.write_text(toml)

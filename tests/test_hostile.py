@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from engine_shim.client import SidecarClient, grouped, remote
+from engine_shim.client import SidecarClient, engine_channel, grouped, remote
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from tests.support.processes import wait_until
@@ -136,7 +136,7 @@ BAD_ADDRESSES = ["nohostport", "127.0.0.1:0", "127.0.0.1:70000", "[::1", "::1:5"
 def test_bad_input_to_every_handler_is_invalid_argument_naming_the_field(sidecars, engines) -> None:
     sidecar = sidecars()
     engines(sidecar, "E", "both", layers=LAYERS, blocks=P_BLOCKS, block_len=BLOCK_LEN)
-    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+    with engine_channel(sidecar.socket) as channel:
         engine = engine_pb2_grpc.EngineServiceStub(channel)
         peer = _peer_stub(channel)
         for address in BAD_ADDRESSES:

@@ -341,3 +341,79 @@ def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
             producer.leases.close()
 
     run(scenario)
+
+
+def test_a_registration_whose_caller_left_while_its_agent_was_made_leaves_no_agent(tmp_path: Path) -> None:
+    """RegisterWorker past its deadline (a busy sidecar: the agent is made on the NIXL owner thread,
+    behind its other commands): the owner thread still makes the agent after the call is gone, so
+    the sidecar drops it once made and only then revokes the mapping; nothing stays registered."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            transport = h.node.transport
+            real_create = transport.create_agent
+            gate = asyncio.Event()
+
+            async def owner_thread_create(*args: Any) -> bytes:
+                async def later() -> bytes:  # the owner thread runs the queued command whatever the caller does
+                    await gate.wait()
+                    return await real_create(*args)
+
+                return await asyncio.shield(asyncio.ensure_future(later()))
+
+            transport.create_agent = owner_thread_create  # type: ignore[method-assign]
+            buffer = SharedBuffer(LAYOUT.total_bytes)
+            try:
+                registration = kv_registration("late-0", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [buffer.export()])
+                call = asyncio.ensure_future(h.node.registrations.register_worker(registration))
+                await asyncio.sleep(0.2)  # mapped; the agent is queued
+                tombstoned = h.node.registrations.memory.tombstoned_bytes
+                call.cancel()  # the client's deadline passed
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                gate.set()  # the owner thread gets to it
+                for _ in range(100):
+                    await asyncio.sleep(0.02)
+                    if h.node.registrations.memory.tombstoned_bytes > tombstoned:
+                        break
+                assert not [name for name in h.fabric.agents if "late-0" in name], "an abandoned agent stayed"
+                assert h.node.registrations.memory.tombstoned_bytes > tombstoned  # its mapping was revoked
+                assert "late-0" not in h.node.registry.engines
+            finally:
+                gate.set()
+                buffer.close()
+
+    run(scenario)
+
+
+def test_a_pull_whose_engine_dies_while_its_read_runs_ends_when_the_read_does(tmp_path: Path) -> None:
+    """D's engine dies while its READ is in flight (found by chaos cell pull in_flight D_engine kill):
+    the request is left to the READ's end, and with integrity=digest the digest check then finds the
+    engine gone. It must end the request there, not raise in the background and keep the request
+    (GetStatus showed pending_receives=1 forever)."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, integrity="digest") as h:
+            h.p.fill([3, 4, 5], seed=2)
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-9", [[3, 4, 5]]))
+            h.fabric.gate = asyncio.Event()  # the READ stays in flight
+            pull = SidecarClient.pull_request(D, "req-9-d", [[7, 8, 9]], remote(ADDRESS, P, "req-9", [[3, 4, 5]]))
+            await h.node.consumer.pull(pull)
+            for _ in range(100):
+                if h.fabric.transfers:
+                    break
+                await asyncio.sleep(0.02)
+            assert h.fabric.transfers, "the READ never started"
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            gone = asyncio.ensure_future(h.node.registrations.remove_worker(worker, "event stream closed"))
+            await asyncio.sleep(0.1)  # its requests were asked to end; the READ still runs
+            h.fabric.gate.set()
+            await asyncio.wait_for(gone, 10)
+            for _ in range(100):
+                if not h.node.consumer.requests:
+                    break
+                await asyncio.sleep(0.02)
+            assert not h.node.consumer.requests, "the pull of a dead engine was kept"
+
+    run(scenario)

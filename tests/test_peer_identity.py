@@ -2,7 +2,8 @@
 another cluster member (a certificate from the same CA) is refused with PERMISSION_DENIED naming
 why, and a `peer_refused` log line, when it releases, heartbeats or re-registers someone else's
 request, or fails a push it is not the producer of. Certificates reload without a restart. The
-engine socket refuses other users. Real sidecars, real NIXL, simulated engines that check bytes."""
+engine socket's mode refuses other users (the token check: test_engine_auth.py). Real sidecars,
+real NIXL, simulated engines that check bytes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from tests.chaos.cells import status
 from tests.support.pki import issue, make_ca, tls_args
@@ -112,7 +114,7 @@ def test_a_pull_belongs_to_the_consumer_that_claimed_it(cluster) -> None:
     assert producer.command("fill", blocks=BLOCKS, seed=10)["ok"]
     assert producer.command("submit", request_id="k", blocks=[BLOCKS], lease_seconds=5)["ok"]
     # D keeps P's request alive before pulling: its heartbeat claims the request for D's certificate.
-    with grpc.insecure_channel(f"unix:{d_side.socket}") as channel:
+    with engine_channel(d_side.socket) as channel:
         engine_pb2_grpc.EngineServiceStub(channel).KeepAlive(
             engine_pb2.KeepAliveRequest(engine_id="D", request_id="k-d", remote=engine_pb2.RemoteBlocks(
                 address=p_side.address, engine_id="P", request_id="k")), timeout=10)  # fmt: skip
@@ -164,8 +166,8 @@ def test_certificates_reload_without_a_restart(workdir: Path, sidecars) -> None:
 def test_the_engine_socket_refuses_other_users(sidecars) -> None:
     side = sidecars("s")
     assert side.socket.stat().st_mode & 0o777 == 0o600
-    # grpcio exposes no peer credentials (SO_PEERCRED) of Unix-socket callers: the socket's mode
-    # is the guard, and the kernel refuses before the daemon sees anything (so no log line).
+    # With the default mode the kernel refuses other users before the daemon sees anything (no
+    # log line); with the socket opened, the SO_PEERCRED check refuses them (test_engine_auth.py).
     probe = (
         "import socket\n"
         "s = socket.socket(socket.AF_UNIX)\n"
@@ -178,5 +180,5 @@ def test_the_engine_socket_refuses_other_users(sidecars) -> None:
     result = subprocess.run(["/usr/bin/python3", "-c", probe], user=65534, group=65534, capture_output=True,
                             text=True, timeout=60)  # fmt: skip
     assert result.stdout.strip() == "REFUSED 13", (result.stdout, result.stderr)
-    with grpc.insecure_channel(f"unix:{side.socket}") as channel:  # its own user still gets in
+    with engine_channel(side.socket) as channel:  # its own user still gets in
         engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
 from sidecar.core.trace import MAX_EVENTS, TraceRecorder
 from tests.support.processes import SidecarProcess
@@ -15,7 +16,7 @@ from tests.test_push import PUSH, engine_pair, expect
 
 
 def trace_over_socket(sidecar: SidecarProcess, **query: str) -> common_pb2.TraceResponse:
-    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+    with engine_channel(sidecar.socket) as channel:
         response: common_pb2.TraceResponse = engine_pb2_grpc.EngineServiceStub(channel).Trace(
             common_pb2.TraceRequest(**query), timeout=10
         )
@@ -131,7 +132,7 @@ def test_bad_queries_unknown_requests_and_bounded_retention(sidecars, engines) -
     assert response.sidecars[0].requests[0].done
     assert "no trace" in response.sidecars[1].error and not response.sidecars[1].requests
     # The sidecar that answered stays healthy.
-    with grpc.insecure_channel(f"unix:{p_side.socket}") as channel:
+    with engine_channel(p_side.socket) as channel:
         engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=5)
 
 

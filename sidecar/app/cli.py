@@ -1,4 +1,4 @@
-"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``demo``, ``bench``.
+"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``token``, ``demo``, ``bench``.
 
 Subcommands import their heavy modules lazily, so ``kvsidecar status`` starts fast.
 """
@@ -147,6 +147,35 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_token(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "token",
+        help="print a session token for calls on the engine socket by hand",
+        description="Ask the sidecar's credential socket (next to the engine socket) for a session token; it "
+        "checks this process's uid/gid. Use it as gRPC metadata, e.g. "
+        'grpcurl -H "kvsidecar-token: $(kvsidecar token)" -unix PATH kvsidecar.v1.EngineService/GetStatus',
+    )
+    parser.add_argument("--socket", type=Path, default=None, help="engine socket (default: the serve default)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    parser.set_defaults(func=_token)
+
+
+def _token(args: argparse.Namespace) -> int:
+    from kvsidecar.engine_auth import auth_socket_for, request_token
+
+    socket_path = args.socket
+    if socket_path is None:
+        from sidecar.config import load_settings
+
+        socket_path = load_settings().engine_socket
+    try:
+        print(request_token(auth_socket_for(socket_path), args.timeout))
+    except OSError as exc:
+        print(f"kvsidecar: no token: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _add_demo(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
@@ -224,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_status(subparsers)
+    _add_token(subparsers)
     _add_demo(subparsers)
     _add_bench(subparsers)
     return parser

@@ -1,8 +1,10 @@
 """The daemon process: gRPC servers, health, reflection, metrics endpoint, signals, systemd.
 
 Two servers, so neither port exposes the other's API:
-- EngineService (and PeerService, for local debugging) on a Unix socket (mode 0600, directory
-  0700 when created here) and optionally on a loopback TCP port;
+- EngineService (and PeerService, for local debugging) on a Unix socket (mode
+  ``engine_socket_mode``, 0600 by default; its directory 0700 when created here) and optionally on
+  a loopback TCP port; every call there but health and reflection needs a session token from the
+  credential socket next to it (``sidecar.api.engine_auth``: the caller's ``SO_PEERCRED``);
 - PeerService alone on TCP (mTLS when configured).
 Both serve ``grpc.health.v1.Health`` and server reflection, so ``grpcurl`` works out of the box.
 
@@ -33,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from sidecar import __version__
 from sidecar.api.engine import EngineServicer
+from sidecar.api.engine_auth import CredentialSocket, SessionTokens, TokenInterceptor
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.peer import PeerServicer
 from sidecar.app.liveness import LivenessMonitor
@@ -95,14 +98,20 @@ class SidecarServer:
         self._liveness_task: asyncio.Task[None] | None = None
         self._socket_path = Path(settings.engine_socket)
         self._owns_socket = False
+        self._credentials: CredentialSocket | None = None
 
     async def start(self) -> None:
         settings = self.settings
         self.node = node = Node(settings)
         interceptor = CallInterceptor(node.metrics)
+        tokens = SessionTokens()
+        self._credentials = CredentialSocket(settings, tokens, node.sidecar_id)
 
-        # Engine server: Unix socket (0600) and optional loopback TCP.
-        self.engine_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
+        # Engine server: Unix socket and optional loopback TCP; calls need a session token.
+        self.engine_server = grpc.aio.server(
+            interceptors=[interceptor, TokenInterceptor(tokens, self._credentials.path)],
+            options=_server_options(settings),
+        )
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(node), self.engine_server)
         # PeerService on the local socket too, so one `grpcurl -unix ... list` shows the whole API;
         # EngineService is never exposed on the peer port.
@@ -111,7 +120,9 @@ class SidecarServer:
         reflection.enable_server_reflection(
             [ENGINE_SERVICE, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
         )
-        _prepare_socket_path(self._socket_path)
+        _prepare_socket_path(self._socket_path, settings.engine_socket_mode)
+        # Tokens first: a client that finds the engine socket finds its credential socket too.
+        await self._credentials.start()
         previous_umask = os.umask(0o177)
         try:
             self.engine_server.add_insecure_port(f"unix:{self._socket_path}")
@@ -142,7 +153,7 @@ class SidecarServer:
         await node.start(advertise, [f"{host}:{self.peer_port}"])
         await self.engine_server.start()
         await self.peer_server.start()
-        os.chmod(self._socket_path, stat.S_IRUSR | stat.S_IWUSR)
+        os.chmod(self._socket_path, settings.engine_socket_mode)
 
         if settings.metrics_listen != "off":
             metrics_host, metrics_port = split_host_port(settings.metrics_listen, "metrics_listen")
@@ -217,14 +228,18 @@ class SidecarServer:
         if self._owns_socket:  # never remove the socket of another daemon we refused to replace
             with contextlib.suppress(FileNotFoundError):
                 self._socket_path.unlink()
+        if self._credentials is not None:  # removes its socket only if it started (after the check above)
+            await self._credentials.stop()
         log.info("sidecar_stopped")
 
 
-def _prepare_socket_path(path: Path) -> None:
-    """Create the socket's directory (0700) and remove a stale socket; refuse a live one."""
+def _prepare_socket_path(path: Path, mode: int) -> None:
+    """Create the socket's directory (0700, searchable by group or others when the socket's mode
+    lets them in) and remove a stale socket; refuse a live one."""
     directory = path.parent
     if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
+        search = (0o010 if mode & 0o060 else 0) | (0o001 if mode & 0o006 else 0)
+        directory.mkdir(mode=0o700 | search, parents=True)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise RuntimeError(f"engine socket path {path} exists and is not a socket")

@@ -399,7 +399,9 @@ class ConsumerSide:
     async def _check_digests(self, pending: ConsumerRequest, expected: peer_pb2.KvDigests | None) -> str | None:
         if expected is None or not expected.values:
             return "integrity check failed: the producer sent no digests (is its sidecar too old?)"
-        engine = self._ctx.registry.require_engine(pending.engine_id, "engine_id")
+        engine = self._ctx.registry.engines.get(pending.engine_id)
+        if engine is None:  # its worker went meanwhile (drop_engine failed the request)
+            return f"integrity check could not run: engine {pending.engine_id!r} is gone"
         span = DigestSpan.from_proto(expected)
         layouts = [worker.layout for worker in engine.ordered_workers()]
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,7 +80,13 @@ class Registrations:
             engine = Engine(
                 spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version
             )
-        memories = await self._map_all(spec.exports)
+        started = time.monotonic()
+        try:
+            memories = await self._map_all(spec.exports)
+        except asyncio.CancelledError:
+            self._cancelled(spec.engine_id, spec.tp_rank, "mapping its memory", started)
+            raise
+        mapped = time.monotonic()
         try:
             regions = tuple(
                 RegionLayout(
@@ -97,12 +104,21 @@ class Registrations:
             serial = next(self._agent_counter)
             sidecar_id = ctx.identity.sidecar_id
             agent_name = f"kvs-{sidecar_id[:8]}-{serial}-{spec.engine_id}-pp{spec.pp_rank}-tp{spec.tp_rank}"
-            metadata = await ctx.transport.create_agent(
-                agent_name, [(memory.address, memory.length, memory.device_id) for memory in memories], mem_type
-            )
+            regions_of_agent = [(memory.address, memory.length, memory.device_id) for memory in memories]
+            creating = asyncio.ensure_future(ctx.transport.create_agent(agent_name, regions_of_agent, mem_type))
         except BaseException:
-            for memory in memories:
-                self.memory.release(memory)
+            self._release(memories)
+            raise
+        try:
+            metadata = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # The caller gave up (its deadline passed): the owner thread still creates the agent
+            # and registers the memory; drop it once it exists, and only then revoke the memory.
+            self._cancelled(spec.engine_id, spec.tp_rank, "creating its NIXL agent", started)
+            ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
+            raise
+        except BaseException:
+            self._release(memories)
             raise
         worker = Worker(
             engine_id=spec.engine_id,
@@ -132,6 +148,10 @@ class Registrations:
             regions=len(regions),
             engine_complete=engine.complete,
             pid=spec.pid,
+            # Where a slow registration spent its time (pre-faulting the mapping; NIXL agent and
+            # memory registration on the owner thread, queued behind its other commands).
+            map_s=round(mapped - started, 3),
+            agent_s=round(time.monotonic() - mapped, 3),
         )
         return self._registered(worker)
 
@@ -156,6 +176,30 @@ class Registrations:
             # The call was cancelled while mapping: release what the thread maps once it is done.
             task.add_done_callback(self._release_mapped)
             raise
+
+    def _release(self, memories: list[MappedMemory]) -> None:
+        for memory in memories:
+            self.memory.release(memory)
+
+    async def _undo_agent(self, creating: asyncio.Future[bytes], agent_name: str, memories: list[MappedMemory]) -> None:
+        """A registration whose caller left while its agent was being created: drop the agent when
+        the owner thread has made it, then revoke the mapping (in that order: NIXL must not keep a
+        registration of a tombstoned range)."""
+        try:
+            try:
+                await creating
+            except Exception:
+                return  # never created: nothing to drop
+            await self._ctx.transport.drop_agent(agent_name)
+            log.info("abandoned_agent_dropped", agent=agent_name)
+        finally:
+            self._release(memories)
+
+    @staticmethod
+    def _cancelled(engine_id: str, tp_rank: int, stage: str, started: float) -> None:
+        """The caller gave up (its deadline passed) while the registration was still at ``stage``."""
+        log.warning("worker_registration_cancelled", engine_id=engine_id, tp_rank=tp_rank, stage=stage,
+                    waited_s=round(time.monotonic() - started, 3))  # fmt: skip
 
     def _release_mapped(self, task: asyncio.Future[list[MappedMemory]]) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -214,9 +258,11 @@ class Registrations:
         released = self.drop_engine(engine_id, f"worker {worker.worker_id} {reason}")
         # Transfers that touch this worker's memory must end before the memory is revoked; the
         # transport's deadlines bound the wait.
+        started = time.monotonic()
         touching = ctx.tasks.touching(engine_id)
         if touching:
             await asyncio.wait(touching, timeout=ctx.settings.transfer_timeout_seconds + 1.0)
+        waited = time.monotonic()
         await ctx.transport.drop_agent(worker.agent_name)
         for memory in worker.memories:
             self.memory.release(memory)
@@ -225,7 +271,14 @@ class Registrations:
             ctx.tasks.spawn(self._remove_orphaned_files(orphans), engines=[])
         ctx.events.close(worker, reason)
         self._update_gauges()
-        log.info("worker_removed", worker=worker.worker_id, reason=reason, requests_released=released)
+        log.info(
+            "worker_removed",
+            worker=worker.worker_id,
+            reason=reason,
+            requests_released=released,
+            transfers_wait_s=round(waited - started, 3),
+            drop_agent_s=round(time.monotonic() - waited, 3),
+        )
         return released
 
     def detached(self, worker: Worker) -> None:

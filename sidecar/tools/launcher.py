@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ class DaemonProcess:
 
     def _status(self) -> engine_pb2.GetStatusResponse | None:
         try:
-            with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+            with engine_channel(self.socket) as channel:
                 stub = engine_pb2_grpc.EngineServiceStub(channel)
                 response: engine_pb2.GetStatusResponse = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=1.0)
                 return response

@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 
@@ -16,7 +17,7 @@ def fetch_status(socket_path: Path | None, include_requests: bool, timeout: floa
         from sidecar.config import load_settings
 
         socket_path = load_settings().engine_socket
-    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+    with engine_channel(socket_path) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         try:
             response: engine_pb2.GetStatusResponse = stub.GetStatus(

@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine_shim.client import engine_channel
 from engine_shim.simulated import pattern
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from tests.support.fuzzing import leftover, process_usage
@@ -125,7 +126,7 @@ def health(sidecar: SidecarProcess) -> bool:
 
 
 def status(sidecar: SidecarProcess) -> engine_pb2.GetStatusResponse:
-    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+    with engine_channel(sidecar.socket) as channel:
         response: engine_pb2.GetStatusResponse = engine_pb2_grpc.EngineServiceStub(channel).GetStatus(
             engine_pb2.GetStatusRequest(include_requests=True), timeout=5
         )

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.chaos.cells import FAULTS, MODES, PHASES, VICTIMS, Cell, Run, Verdict, table
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.chaos
 FULL = os.environ.get("KVSIDECAR_CHAOS") == "full"
@@ -38,6 +42,18 @@ SUBSET = {
 }
 CELLS = [Cell(*values) for values in itertools.product(MODES, PHASES, VICTIMS, FAULTS)]
 RESULTS: list[Verdict] = []
+# Where a cell that is not green leaves its processes' logs (the test's temporary directory goes
+# with the test): the sidecars' JSON logs and the engines' stderr, one folder per cell and run.
+LOGS = Path(os.environ.get("KVSIDECAR_CHAOS_LOGS", REPO / "bench" / "out" / "chaos-logs"))
+
+
+def keep_logs(cell: Cell, workdir: Path) -> Path:
+    """Copy the cell's logs (``*.log`` of its work directory) where they outlive the test."""
+    target = LOGS / f"{cell.id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    for log in sorted(workdir.glob("*.log")):
+        shutil.copy2(log, target / log.name)
+    return target
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,13 +70,17 @@ def print_matrix() -> Iterator[None]:
         for cell in CELLS
     ],
 )
-def test_cell(cell: Cell, sidecars: Any, engines: Any) -> None:
-    run = Run(cell, sidecars, engines)
+def test_cell(cell: Cell, sidecars: Any, engines: Any, workdir: Path) -> None:
+    run: Run | None = None
     try:
+        run = Run(cell, sidecars, engines)
         verdict = run.execute()
         run.recover_and_transfer()
-    except (AssertionError, TimeoutError) as exc:  # a step of the cell itself went wrong: the table shows it
-        verdict = run.verdict
+    except (AssertionError, TimeoutError, RuntimeError) as exc:  # a step of the cell itself went wrong
+        verdict = run.verdict if run is not None else Verdict(cell)
         verdict.problems.append(f"the cell could not run: {' '.join(str(exc).split())[:300]}")
     RESULTS.append(verdict)
-    assert verdict.green, f"{cell.id}: {verdict.row()}"
+    kept = "" if verdict.green else f"; logs kept in {keep_logs(cell, workdir)}"
+    if kept:
+        print(f"\n{cell.id}: not green{kept}")
+    assert verdict.green, f"{cell.id}: {verdict.row()}{kept}"

@@ -15,10 +15,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2_grpc
 from tests.multihost.conftest import PEER_PORT, Cluster
 from tests.support.pki import make_pki, tls_args
@@ -69,7 +69,7 @@ def request(producer: EngineProcess, consumer: EngineProcess, mode: str, name: s
 
 
 def trace(sidecar, request_id: str) -> common_pb2.TraceResponse:
-    with grpc.insecure_channel(f"unix:{sidecar.socket}") as channel:
+    with engine_channel(sidecar.socket) as channel:
         request = common_pb2.TraceRequest(request_id=request_id)
         response: common_pb2.TraceResponse = engine_pb2_grpc.EngineServiceStub(channel).Trace(request, timeout=15)
         return response

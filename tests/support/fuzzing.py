@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 
+from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from tests.support.processes import SidecarProcess
 
@@ -255,7 +256,7 @@ class FuzzTarget:
     violations: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.unix = grpc.insecure_channel(f"unix:{self.sidecar.socket}")
+        self.unix = engine_channel(self.sidecar.socket)
         self.tcp = grpc.insecure_channel(self.sidecar.address)
 
     def close(self) -> None:
