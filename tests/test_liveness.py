@@ -26,7 +26,7 @@ def stall(transport: NixlTransport, release: threading.Event) -> asyncio.Future[
 
 def test_the_monitor_reports_a_stuck_owner_thread_and_its_recovery() -> None:
     async def scenario() -> None:
-        transport = NixlTransport(NixlSettings(), lambda batch: None)
+        transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
         transport.start(asyncio.get_running_loop())
         changes: list[bool] = []
 

@@ -304,7 +304,7 @@ def test_a_producer_works_without_a_node(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         config = settings(tmp_path)
-        transport = FakeFabric().transport(config.nixl, lambda batch: None, lambda op, result: None)
+        transport = FakeFabric().transport(config.nixl, lambda batch, seen_at: None, lambda op, result: None)
         transport.start(asyncio.get_running_loop())
         metrics = SidecarMetrics(transport.nixl_version)
         registry = Registry()

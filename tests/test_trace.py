@@ -65,6 +65,15 @@ def test_pull_trace_shows_both_sidecars_from_either_end(sidecars, engines) -> No
     assert "READ" in completion.detail and "done" in completion.detail, completion.detail
     p_kinds = kinds(theirs, "producer")
     assert in_order(p_kinds, ["admitted", "heartbeat", "notification", "finished"]), p_kinds
+    # Where the hand-offs went (bench/control_timeline.py places these): the call reaching the
+    # interceptor before admission, the owner thread's part of the READ and the loop's resumption,
+    # and P's owner thread seeing the READ's notification before P's loop handled it.
+    handoff = {"owner_wait", "owner_post", "owner_done", "loop_resume", "nixl_post", "nixl_transfer"}
+    assert handoff <= set(completion.measured_s) and min(completion.measured_s.values()) >= 0, completion
+    admitted = [next(e for e in t.events if e.kind == "admitted") for t in (d_line, theirs.requests[0])]
+    assert all(e.measured_s["rpc_to_admit"] >= 0 for e in admitted), admitted
+    notification = next(e for e in theirs.requests[0].events if e.kind == "notification")
+    assert notification.measured_s["loop_wake"] >= 0, notification
 
     # From the producer's peer port (what an operator reaches on another node), by P's id: the
     # producer learned the consumer's address from its handshake.
@@ -145,3 +154,30 @@ def test_recorder_keeps_a_ring_of_requests_and_a_bounded_timeline_with_its_end()
     off = TraceRecorder(capacity=0)
     off.event("consumer", "D", "r", "admitted")
     assert len(off) == 0
+
+
+def test_find_answers_like_a_scan_of_every_kept_timeline_and_forgets_evicted_ones() -> None:
+    # find() goes through an index by name; it must answer exactly what matching every kept
+    # timeline would, in creation order, through evictions, aliases and changed transfer ids.
+    import random
+
+    rng = random.Random(5)
+    recorder = TraceRecorder(capacity=20)
+    names = [f"r{i}" for i in range(60)] + [f"t{i}" for i in range(30)] + ["cmpl-1-0-1a2b3c4d"]
+    for _ in range(2000):
+        recorder.event(
+            rng.choice(["producer", "consumer"]),
+            rng.choice(["P", "D"]),
+            rng.choice(names[:60] + names[-1:]),
+            "x",
+            transfer_id=rng.choice(["", *names[60:90]]),
+            ids=rng.sample(names, rng.randint(0, 2)),
+        )
+        wanted = set(rng.sample(names, 2)) | {"cmpl-1-0-ffffffff"}
+        expanded = wanted | {"cmpl-1-0"}
+        scanned = [t for t in recorder._timelines.values() if t.matches(expanded)]
+        assert recorder.find(wanted) == scanned
+    # Evicted timelines leave the index: it stays bounded by what is kept.
+    assert len(recorder) == 20
+    assert len(recorder._indexed) == 20
+    assert len(recorder._by_name) <= sum(len(names) for names in recorder._indexed.values())

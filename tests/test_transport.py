@@ -35,7 +35,7 @@ def layout(base: int) -> WorkerLayout:
 def test_reads_merge_adjacent_blocks_and_move_the_bytes() -> None:
     async def scenario() -> None:
         notes: list[tuple[str, bytes]] = []
-        transport = NixlTransport(NixlSettings(), notes.extend)
+        transport = NixlTransport(NixlSettings(), lambda batch, seen_at: notes.extend(batch))
         transport.start(asyncio.get_running_loop())
         size = LAYERS * BLOCKS * BLOCK_LEN
         with SharedBuffer(size) as source, SharedBuffer(size) as target:
@@ -84,7 +84,7 @@ def test_reads_merge_adjacent_blocks_and_move_the_bytes() -> None:
 
 def test_a_refused_post_is_a_failed_result_not_an_exception() -> None:
     async def scenario() -> None:
-        transport = NixlTransport(NixlSettings(), lambda batch: None)
+        transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
         transport.start(asyncio.get_running_loop())
         with SharedBuffer(BLOCKS * BLOCK_LEN) as buffer:
             await transport.create_agent("a", [(buffer.array.ctypes.data, BLOCKS * BLOCK_LEN, 0)], "DRAM")
@@ -119,7 +119,9 @@ def test_a_large_transfer_goes_in_chunks_and_a_small_one_is_not_held_behind_it()
         notes: list[tuple[str, bytes]] = []
         finished: list[int] = []  # bytes of each transfer, in the order the owner thread ended them
         transport = NixlTransport(
-            NixlSettings(max_post_bytes=big_len), notes.extend, lambda op, result: finished.append(result.bytes)
+            NixlSettings(max_post_bytes=big_len),
+            lambda batch, seen_at: notes.extend(batch),
+            lambda op, result: finished.append(result.bytes),
         )
         transport.start(asyncio.get_running_loop())
         size = big_blocks * big_len

@@ -42,6 +42,7 @@ from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
+from sidecar.core.trace import notice_handoff, since_rpc
 from sidecar.dataplane.integrity import DigestSpan, check_span, digests, first_mismatch
 from sidecar.dataplane.memory import FenceToken, WriteFences
 from sidecar.dataplane.plan.blocks import check_block_ids
@@ -348,8 +349,9 @@ class ConsumerSide:
 
     # --- notifications ------------------------------------------------------------------------
 
-    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
-        """A producer's WRITE into ``worker`` completed. False if the request is unknown here."""
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice, seen_at: float = 0.0) -> bool:
+        """A producer's WRITE into ``worker`` completed. False if the request is unknown here.
+        ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
         pending = self.requests.get((notice.engine_id, notice.request_id))
         if pending is None or not pending.is_push:
             return False
@@ -362,6 +364,7 @@ class ConsumerSide:
             pending.request_id,
             "notification",
             f"the producer's WRITE into {worker.agent_name} completed",
+            measured=notice_handoff(seen_at),
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             pending.received = True
@@ -452,17 +455,17 @@ class ConsumerSide:
                     return  # a heartbeat round failed it meanwhile: its blocks are the engine's again
             expected = None
             for attempt in (1, 2):
-                view = await asyncio.wait_for(
-                    ctx.trace.timed(
+                # asyncio.timeout, not wait_for: wait_for runs the (usually cached, instant) lookup
+                # in a task of its own, a loop iteration later.
+                async with asyncio.timeout(ctx.settings.peer_call_timeout_seconds):
+                    view = await ctx.trace.timed(
                         "consumer",
                         pending.engine_id,
                         pending.request_id,
                         "handshake",
                         f"{address} {pending.remote.engine_id}",
                         ctx.peers.engine(address, pending.remote.engine_id, engine.compatibility_hash),
-                    ),
-                    ctx.settings.peer_call_timeout_seconds,
-                )
+                    )
                 problem = view.block_ids_problem(remote_blocks)
                 if problem:
                     raise InvalidArgument("remote.block_ids", f"{problem} (engine {view.engine_id} of {address})")
@@ -927,6 +930,7 @@ class ConsumerSide:
             ids=(request.remote.request_id,),
             peer=request.remote.address,
             mode="push" if pending.is_push else "pull",
+            measured=since_rpc(),
         )
         if pending.is_push:
             self._ctx.transport.expect_notifications(1)
@@ -994,8 +998,9 @@ class ConsumerSide:
         event.transfer_id = pending.transfer_id
         event.bytes = pending.bytes_moved
         event.duration_ms = (time.monotonic() - pending.created) * 1000.0
-        self._ctx.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
+        # The engine's event first: recording the end also derives the request's stages.
         self._ctx.events.emit(pending.engine_id, event)
+        self._ctx.trace.ended("consumer", pending.engine_id, pending.request_id, event.kind, event.reason, event.bytes)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
+from typing import Any
 
 from kvsidecar.v1 import engine_pb2, peer_pb2
 from sidecar.config import Settings
@@ -64,6 +66,7 @@ class Node:
         self.settings = settings
         self.transport: Transport = transport_factory(settings.nixl, self._on_notifications, self._on_xfer_done)
         self.metrics = metrics or SidecarMetrics(self.transport.nixl_version)
+        self._stage_children: dict[tuple[str, str, str], Any] = {}  # (side, mode, stage) -> histogram child
         self.registry = Registry()
         self.identity = Identity(settings, self.transport.nixl_version, self.registry)
         self.tasks = Tasks(settings)
@@ -182,7 +185,8 @@ class Node:
 
     # --- transport callbacks --------------------------------------------------------------------
 
-    def _on_notifications(self, batch: list[tuple[str, bytes]]) -> None:
+    def _on_notifications(self, batch: list[tuple[str, bytes]], seen_at: float = 0.0) -> None:
+        # seen_at: when the owner thread saw the batch; the trace measures the hand-off from it.
         for agent_name, payload in batch:
             worker = self.registry.by_agent(agent_name)
             if worker is None:
@@ -195,7 +199,9 @@ class Node:
             if notice.engine_id != worker.engine_id:
                 log.warning("misrouted_notification", agent=agent_name, engine_id=notice.engine_id)
                 continue
-            if not (self.consumer.on_notice(worker, notice) or self.producer.on_notice(worker, notice)):
+            if not (
+                self.consumer.on_notice(worker, notice, seen_at) or self.producer.on_notice(worker, notice, seen_at)
+            ):
                 log.warning(
                     "notification_for_unknown_request",
                     engine_id=notice.engine_id,
@@ -204,12 +210,28 @@ class Node:
                 )
 
     def _observe_stages(self, timeline: Timeline) -> None:
+        """The request's stage histograms, at its terminal event. Observed in a callback of its
+        own, after the engine's event was handed to the stream (the callback that ends a request
+        runs to its end before the stream writes), on a copy of the events recorded so far."""
         if timeline.side not in ("producer", "consumer"):
             return
-        histogram = self.metrics.request_stage
+        ended = replace(timeline, events=list(timeline.events))
+        try:
+            asyncio.get_running_loop().call_soon(self._record_stages, ended)
+        except RuntimeError:  # no loop (a part driven without one): observe now
+            self._record_stages(ended)
+
+    def _record_stages(self, timeline: Timeline) -> None:
+        # The labelled children are looked up once (labels() takes a lock and builds keys).
         mode = mode_of(timeline)
         for stage, seconds in stage_durations(timeline).items():
-            histogram.labels(side=timeline.side, mode=mode, stage=stage).observe(seconds)
+            key = (timeline.side, mode, stage)
+            child = self._stage_children.get(key)
+            if child is None:
+                child = self._stage_children[key] = self.metrics.request_stage.labels(
+                    side=timeline.side, mode=mode, stage=stage
+                )
+            child.observe(seconds)
 
     def _on_xfer_done(self, op: str, result: TransferResult) -> None:
         # Runs on the transport thread; prometheus_client metrics are thread-safe.

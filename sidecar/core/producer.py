@@ -44,6 +44,7 @@ from sidecar.core.matching import PushMatcher, Registration, Submission, base_re
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
+from sidecar.core.trace import notice_handoff, since_rpc
 from sidecar.dataplane.integrity import DigestSpan, check_span, digests
 from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
 from sidecar.dataplane.plan.convert import single_group
@@ -159,6 +160,7 @@ class ProducerSide:
             "admitted",
             f"SubmitBlocks: {_count(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, lease {lease:g}s",
             transfer_id=pending.transfer_id,
+            measured=since_rpc(),
             mode="pull" if request.mode == common_pb2.TRANSFER_MODE_PULL else "",
         )
         matched = False
@@ -517,8 +519,9 @@ class ProducerSide:
 
     # --- notifications ------------------------------------------------------------------------
 
-    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice) -> bool:
-        """A consumer finished reading from ``worker``. Returns False if the request is unknown."""
+    def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice, seen_at: float = 0.0) -> bool:
+        """A consumer finished reading from ``worker``. Returns False if the request is unknown.
+        ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
         pending = self.requests.get((notice.engine_id, notice.request_id))
         if pending is None or not pending.accepts_pull:
             return False
@@ -530,6 +533,7 @@ class ProducerSide:
             "notification",
             f"a consumer's READ from {worker.agent_name} completed",
             peer_sidecar=notice.sender_sidecar_id,
+            measured=notice_handoff(seen_at),
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
@@ -766,7 +770,7 @@ class ProducerSide:
             self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))
         self._update_gauges()
-        self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
+        # The engine's event first: recording the end also derives the request's stages.
         self._ctx.events.emit(
             pending.engine_id,
             engine_pb2.Event(
@@ -778,6 +782,7 @@ class ProducerSide:
                 duration_ms=(time.monotonic() - pending.created) * 1000.0,
             ),
         )
+        self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
 
     def _find(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest | None:
         if request_id:

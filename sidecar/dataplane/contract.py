@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -20,7 +20,8 @@ import numpy as np
 from sidecar.config import NixlSettings
 
 # (local agent name, notification payload) batches, delivered on the event loop thread.
-NotificationsCallback = Callable[[list[tuple[str, bytes]]], None]
+# (batch of (local agent name, payload), time.monotonic() when the owner thread saw the batch).
+NotificationsCallback = Callable[[list[tuple[str, bytes]], float], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class TransferResult:
     duration_s: float = 0.0
     post_s: float = 0.0
     peer_gone: bool = False
+    # Where a one-post transfer's hand-off time went on the owner thread (seconds, by name:
+    # owner_wait = queued -> taken, owner_post = taken -> post returned, owner_done = post returned
+    # -> DONE seen), and when it was reported (time.monotonic()), for the request's trace.
+    handoff: dict[str, float] = field(default_factory=dict)
+    reported_at: float = 0.0
 
 
 # (op, result) of every finished transfer, called on the transport's thread (metrics only).

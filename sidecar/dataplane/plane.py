@@ -309,7 +309,9 @@ class DataPlane:
                         target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests
                     )
                     jobs.append(self._notify_only(worker, other, payload))
-        results = list(await asyncio.gather(*jobs))
+        # One transfer (TP 1, the common case) is awaited in place: gather would wrap it in a task
+        # that starts a loop iteration later, after whatever else is ready.
+        results = [await jobs[0]] if len(jobs) == 1 else list(await asyncio.gather(*jobs))
         failed = [result for result in results if not result.ok]
         return TransferOutcome(
             ok=not failed,
@@ -501,7 +503,7 @@ class DataPlane:
                 not_after=job.not_after,
             )
         )
-        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result))
+        job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result, resumed=True))
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
@@ -578,6 +580,13 @@ def _memory(worker: WorkerLayout, region: RegionLayout) -> np.ndarray:
     return region_bytes(region.base, region.block_len, region.block_stride, worker.num_blocks)
 
 
-def _measured(result: TransferResult) -> dict[str, float] | None:
-    """NIXL's own post and transfer times of a completed transfer, for the request's stages."""
-    return {"nixl_post": result.post_s, "nixl_transfer": result.duration_s} if result.ok else None
+def _measured(result: TransferResult, resumed: bool = False) -> dict[str, float] | None:
+    """NIXL's own post and transfer times of a completed transfer, for the request's stages, and
+    where the hand-off to and from the owner thread went (``TransferResult.handoff``; with
+    ``resumed``, ``loop_resume``: the owner thread reported it -> this coroutine ran again)."""
+    if not result.ok:
+        return None
+    measured = {"nixl_post": result.post_s, "nixl_transfer": result.duration_s, **result.handoff}
+    if resumed and result.reported_at:
+        measured["loop_resume"] = max(0.0, time.monotonic() - result.reported_at)
+    return measured

@@ -165,6 +165,8 @@ class _InFlight:
     started: float
     cancel_reason: str = ""
     split: _Split | None = None  # the transfer this post is a chunk of
+    queued: float = 0.0  # when the loop queued the command (0: not measured)
+    posted: float = 0.0  # when the post returned
 
 
 class NixlTransport:
@@ -240,7 +242,7 @@ class NixlTransport:
     async def transfer(self, spec: TransferSpec) -> TransferResult:
         """Post one READ or WRITE and wait for its end. Never raises for transfer failures."""
         future: concurrent.futures.Future[TransferResult] = concurrent.futures.Future()
-        self._commands.put((self._post, (spec, future), future))
+        self._commands.put((self._post, (spec, future, time.monotonic()), future))
         return await asyncio.wrap_future(future)
 
     async def transfer_runs(self, spec: RunsSpec) -> TransferResult:
@@ -362,7 +364,7 @@ class NixlTransport:
                     notifications.append((name, bytes(message)))
         if notifications and self._loop is not None:
             progressed = True
-            self._loop.call_soon_threadsafe(self._on_notifications, notifications)
+            self._loop.call_soon_threadsafe(self._on_notifications, notifications, time.monotonic())
         now = time.monotonic()
         for xfer_id, xfer in list(self._in_flight.items()):
             owner = self._agents.get(xfer.agent_name)
@@ -405,7 +407,14 @@ class NixlTransport:
         return self._telemetry(state, xfer)
 
     def _telemetry(self, state: _Agent, xfer: _InFlight) -> TransferResult:
-        result = TransferResult(True, duration_s=time.monotonic() - xfer.started)
+        now = time.monotonic()
+        result = TransferResult(True, duration_s=now - xfer.started)
+        if xfer.queued and xfer.posted:
+            result.handoff = {
+                "owner_wait": xfer.started - xfer.queued,
+                "owner_post": xfer.posted - xfer.started,
+                "owner_done": now - xfer.posted,
+            }
         try:
             telemetry = state.agent.get_xfer_telemetry(xfer.handle)
             result.bytes = int(telemetry.totalBytes)
@@ -548,6 +557,7 @@ class NixlTransport:
 
     @staticmethod
     def _complete(future: concurrent.futures.Future[TransferResult], result: TransferResult) -> None:
+        result.reported_at = time.monotonic()
         if not future.done():
             future.set_result(result)
 
@@ -641,8 +651,11 @@ class NixlTransport:
             state.lengths[slot] = np.asarray(descriptors[:, 1], dtype=np.int64) if len(descriptors) else np.zeros(0)
         return handle
 
-    def _post(self, spec: TransferSpec, future: concurrent.futures.Future[TransferResult]) -> object:
-        """Post a transfer; its future completes later, from _poll (hence _DEFERRED)."""
+    def _post(
+        self, spec: TransferSpec, future: concurrent.futures.Future[TransferResult], queued: float = 0.0
+    ) -> object:
+        """Post a transfer; its future completes later, from _poll (hence _DEFERRED). ``queued``:
+        when the loop queued it (the trace's owner_wait)."""
         agent_name, op, remote = spec.agent_name, spec.op, spec.remote
         now = time.monotonic()
         if spec.not_after is not None and now > spec.not_after:
@@ -675,7 +688,7 @@ class NixlTransport:
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
-        return self._launch(state, agent_name, op, handle, spec.deadline, future, now)
+        return self._launch(state, agent_name, op, handle, spec.deadline, future, now, queued=queued)
 
     def _post_runs(self, spec: RunsSpec, future: concurrent.futures.Future[TransferResult]) -> object:
         """Post a transfer over explicit descriptor arrays (prepared for this transfer only)."""
@@ -720,8 +733,9 @@ class NixlTransport:
         future: concurrent.futures.Future[TransferResult],
         now: float,
         split: _Split | None = None,
+        queued: float = 0.0,
     ) -> object:
-        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split)
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split, queued=queued)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
@@ -730,6 +744,7 @@ class NixlTransport:
         except Exception as exc:
             self._finish(xfer_id, TransferResult(False, f"transfer failed: {exc}", peer_gone=_is_disconnect(exc)))
             return _DEFERRED
+        xfer.posted = time.monotonic()
         # Small transfers complete within microseconds: check a few times before leaving it to
         # the poll loop, whose sleeps are ~60 us at the finest.
         spin_until = time.perf_counter() + _POST_SPIN_S

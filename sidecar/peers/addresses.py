@@ -4,15 +4,18 @@ when a wildcard address is bound."""
 
 from __future__ import annotations
 
+import functools
 import socket
 
 from sidecar.config import split_host_port
 from sidecar.errors import InvalidArgument
 
 
+@functools.lru_cache(maxsize=4096)
 def normalize_address(address: str) -> str:
     """One spelling per peer; raises InvalidArgument for an address that is not HOST:PORT (callers
-    validate addresses at the API boundary, so this is a last line, not the check)."""
+    validate addresses at the API boundary, so this is a last line, not the check). Cached: every
+    request looks its peer up two or three times (an error is not cached, and raises each time)."""
     try:
         host, port = split_host_port(address, "address")
     except ValueError as exc:

@@ -68,6 +68,10 @@ class TransferPair:
         # (request id, seconds from SubmitBlocks to FINISHED_RECEIVING) of recent successes, for
         # benchmarks that look a request up afterwards (``trace``).
         self.completed: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
+        # Request id -> {mark: time.time()} of what the simulated engines saw (submit, its return,
+        # the Pull's return, the terminal event's arrival, the waiter's wake-up), when a timeline
+        # tool asked for them (bench/control_timeline.py); None: not recorded.
+        self.client_marks: dict[str, dict[str, float]] | None = None
 
     def __enter__(self) -> TransferPair:
         try:
@@ -109,8 +113,13 @@ class TransferPair:
 
     # --- requests ------------------------------------------------------------------------------
 
+    def _mark(self, request_id: str, mark: str) -> None:
+        if self.client_marks is not None:
+            self.client_marks.setdefault(request_id, {})[mark] = time.time()
+
     def _route(self, rank: int, event: engine_pb2.Event) -> None:
         engine = "D" if event.kind in (engine_pb2.FINISHED_RECEIVING, engine_pb2.LOAD_FAILED) else "P"
+        self._mark(event.request_id, f"{engine}-engine event")
         with self._lock:
             waiter = self._waiters.pop((engine, event.request_id), None)
         if waiter is not None and not waiter.done():
@@ -132,6 +141,7 @@ class TransferPair:
         try:
             event = received.result(self.request_timeout)
             latency = time.perf_counter() - started
+            self._mark(request_id + "-d", "D-engine waiter woke")
             sent.result(self.request_timeout)  # the producer freed its blocks too
         except concurrent.futures.TimeoutError:
             raise TransferFailed(f"{request_id}: no terminal event within {self.request_timeout}s") from None
@@ -163,15 +173,18 @@ class TransferPair:
         assert self.producer is not None and self.consumer is not None
         request_id = f"pull-{next(self._ids)}"
         received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
+        self._mark(request_id + "-d", "P-engine SubmitBlocks")
         started = time.perf_counter()
         self.producer.client.submit_blocks(
             self.producer.engine_id, request_id, [list(p_blocks)], num_tokens=num_tokens,
             mode=common_pb2.TRANSFER_MODE_PULL,
         )  # fmt: skip
+        self._mark(request_id + "-d", "P-engine SubmitBlocks returned")
         self.consumer.client.pull(
             self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
             remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)], 0, num_tokens),
         )  # fmt: skip
+        self._mark(request_id + "-d", "D-engine Pull returned")
         return self._finish(request_id, received, sent, started)
 
     def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
@@ -186,11 +199,13 @@ class TransferPair:
         )  # fmt: skip
         if not reply.registered:
             raise TransferFailed(f"{request_id}: the producer's sidecar refused the registration")
+        self._mark(request_id + "-d", "P-engine SubmitBlocks")
         started = time.perf_counter()
         self.producer.client.submit_blocks(
             self.producer.engine_id, request_id, [list(p_blocks)], transfer_id=transfer_id,
             mode=common_pb2.TRANSFER_MODE_PUSH, num_tokens=num_tokens,
         )  # fmt: skip
+        self._mark(request_id + "-d", "P-engine SubmitBlocks returned")
         return self._finish(request_id, received, sent, started)
 
     def multiturn(self, d_blocks: Sequence[int], p_blocks: Sequence[int]) -> float:

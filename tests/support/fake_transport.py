@@ -176,7 +176,7 @@ class FakeTransport:
 
     def _deliver(self, agent_name: str, payload: bytes) -> None:
         if self._loop is not None and payload:
-            self._loop.call_soon(self._on_notifications, [(agent_name, payload)])
+            self._loop.call_soon(self._on_notifications, [(agent_name, payload)], time.monotonic())
 
     def expect_notifications(self, delta: int) -> None:
         self.expecting = max(0, self.expecting + delta)

@@ -1,0 +1,216 @@
+"""The floor under kvsidecar's control path on this machine: what one hop of each kind costs with
+nothing else in it, measured the way the sidecar makes it (Python 3.11, grpcio aio, no sidecar
+code).
+
+- ``unary sync->aio``: a blocking grpc client (the engine shim, the benchmark's simulated engine)
+  calls a grpc.aio server in another process over loopback TCP and gets a 30-byte answer.
+- ``unary aio->aio``: the same from a grpc.aio client (sidecar -> peer sidecar: heartbeat, PushReg).
+- ``bidi aio->aio``: one request and its answer as two messages on a bidirectional stream that
+  stays open (what a per-peer heartbeat stream would cost instead of a unary call).
+- ``stream aio->sync``: a grpc.aio server-streaming call delivers one message to a blocking client's
+  reading thread (an event on ``WatchEvents``): from the server's write to the client's receipt.
+- ``loop->thread->loop``: an asyncio coroutine hands a command to a thread blocked on a
+  ``queue.SimpleQueue`` and awaits its ``concurrent.futures.Future`` (the NIXL owner thread's
+  hand-off, without NIXL).
+- ``thread->loop``: ``loop.call_soon_threadsafe`` from a thread until the callback runs (a NIXL
+  notification reaching the loop).
+
+Each figure is the median over ``--count`` sequential round trips after a warm-up.
+
+    python -m bench.grpc_floor [--count 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import multiprocessing.synchronize
+import queue
+import socket
+import statistics
+import struct
+import threading
+import time
+
+import grpc
+
+_ECHO = "/floor.Floor/Echo"
+_STREAM = "/floor.Floor/Stream"
+_BIDI = "/floor.Floor/Bidi"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(port: int, ready: multiprocessing.synchronize.Event, count: int) -> None:
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        # One message per 2 ms, stamped with the wall clock at the write.
+        for _ in range(count + 50):
+            await asyncio.sleep(0.002)
+            yield struct.pack("d", time.time())
+
+    async def bidi(requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        async for request in requests:
+            yield request
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        handlers = {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor.Floor", handlers),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _ms(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return f"p50 {statistics.median(samples) * 1000:.3f} ms, p99 {p99 * 1000:.3f} ms"
+
+
+def unary_sync(target: str, count: int) -> list[float]:
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(_ECHO)
+        payload = b"x" * 30
+        samples = []
+        for index in range(count + 100):
+            started = time.perf_counter()
+            call(payload, timeout=5)
+            if index >= 100:
+                samples.append(time.perf_counter() - started)
+        return samples
+
+
+def unary_aio(target: str, count: int) -> list[float]:
+    async def main() -> list[float]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.unary_unary(_ECHO)
+            samples = []
+            for index in range(count + 100):
+                started = time.perf_counter()
+                await call(b"x" * 30, timeout=5)
+                if index >= 100:
+                    samples.append(time.perf_counter() - started)
+            return samples
+
+    return asyncio.run(main())
+
+
+def bidi_aio(target: str, count: int) -> list[float]:
+    async def main() -> list[float]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.stream_stream(_BIDI)()
+            samples = []
+            for index in range(count + 100):
+                started = time.perf_counter()
+                await call.write(b"x" * 30)
+                await call.read()
+                if index >= 100:
+                    samples.append(time.perf_counter() - started)
+            await call.done_writing()
+            return samples
+
+    return asyncio.run(main())
+
+
+def stream_sync(target: str, count: int) -> list[float]:
+    with grpc.insecure_channel(target) as channel:
+        samples = []
+        for index, message in enumerate(channel.unary_stream(_STREAM)(b"", timeout=60)):
+            received = time.time()
+            if index >= 50:
+                samples.append(received - struct.unpack("d", message)[0])
+            if len(samples) >= count:
+                break
+        return samples
+
+
+def thread_handoff(count: int) -> list[float]:
+    commands: queue.SimpleQueue[concurrent.futures.Future[None] | None] = queue.SimpleQueue()
+
+    def owner() -> None:
+        while (future := commands.get()) is not None:
+            future.set_result(None)
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+
+    async def main() -> list[float]:
+        samples = []
+        for index in range(count + 100):
+            await asyncio.sleep(0.0005)  # the owner thread is asleep on its queue, as between requests
+            future: concurrent.futures.Future[None] = concurrent.futures.Future()
+            started = time.perf_counter()
+            commands.put(future)
+            await asyncio.wrap_future(future)
+            if index >= 100:
+                samples.append(time.perf_counter() - started)
+        return samples
+
+    samples = asyncio.run(main())
+    commands.put(None)
+    thread.join(5)
+    return samples
+
+
+def _fire(loop: asyncio.AbstractEventLoop, done: asyncio.Future[float]) -> None:
+    time.sleep(0.0005)  # the loop is idle in epoll when the call comes
+    sent = time.perf_counter()
+    loop.call_soon_threadsafe(lambda: done.set_result(time.perf_counter() - sent))
+
+
+def loop_wake(count: int) -> list[float]:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        samples = []
+        for index in range(count + 100):
+            done: asyncio.Future[float] = loop.create_future()
+            threading.Thread(target=_fire, args=(loop, done)).start()
+            elapsed = await done
+            if index >= 100:
+                samples.append(elapsed)
+        return samples
+
+    return asyncio.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=2000)
+    args = parser.parse_args()
+    port = _free_port()
+    ready = multiprocessing.get_context("spawn").Event()
+    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, ready, args.count), daemon=True)
+    server.start()
+    try:
+        if not ready.wait(30):
+            raise RuntimeError("the echo server did not start")
+        target = f"127.0.0.1:{port}"
+        print(f"unary sync->aio      {_ms(unary_sync(target, args.count))}")
+        print(f"unary aio->aio       {_ms(unary_aio(target, args.count))}")
+        print(f"bidi aio->aio        {_ms(bidi_aio(target, args.count))}")
+        print(f"stream aio->sync     {_ms(stream_sync(target, args.count))}")
+        print(f"loop->thread->loop   {_ms(thread_handoff(args.count))}")
+        print(f"thread->loop         {_ms(loop_wake(args.count))}")
+    finally:
+        server.terminate()
+        server.join(10)
+
+
+if __name__ == "__main__":
+    main()
