@@ -63,6 +63,7 @@ soak: setup
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
+	$(VENV)/bin/ruff format --check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
 

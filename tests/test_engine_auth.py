@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def test_a_token_from_a_previous_instance_is_refused_and_clients_get_a_new_one(s
         assert client.status().sidecar.sidecar_id == side.sidecar_id
 
 
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 # The credential handshake from a process of another user (the system Python: the venv's
 # interpreter lives where other users cannot read it; the handshake needs only the standard library).
 PROBE = """
@@ -89,15 +91,25 @@ except OSError as exc:
 
 
 def _as_user(socket: Path, uid: int, gid: int) -> tuple[dict[str, str], int]:
-    process = subprocess.Popen(["/usr/bin/python3", "-c", PROBE, str(socket)], user=uid, group=gid, extra_groups=[],
+    # The handshake module, copied where any user can read it: the checkout itself may sit under a
+    # directory other users cannot enter (a CI clone under /root).
+    probe_path = socket.parent / "probe"
+    if not (probe_path / "kvsidecar" / "engine_auth.py").exists():
+        (probe_path / "kvsidecar").mkdir(parents=True)
+        (probe_path / "kvsidecar" / "__init__.py").write_text("")
+        shutil.copy(REPO / "kvsidecar" / "engine_auth.py", probe_path / "kvsidecar" / "engine_auth.py")
+        for path in (probe_path, probe_path / "kvsidecar", *probe_path.rglob("*")):
+            path.chmod(0o755)
+    process = subprocess.Popen([SYSTEM_PYTHON, "-c", PROBE, str(socket)], user=uid, group=gid, extra_groups=[],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={"PYTHONPATH": str(REPO)}, cwd="/")  # fmt: skip
+                               env={"PYTHONPATH": str(probe_path)}, cwd="/")  # fmt: skip
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
     return json.loads(out), process.pid
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other users")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 that other users can run")
 def test_only_the_configured_users_get_in(sidecars, workdir: Path) -> None:
     os.chmod(workdir, 0o711)  # the sockets' directory: others may reach the files
     side = sidecars("s", args=["--set", "engine_socket_mode=0666", "--set", "engine_allowed_uids=65533",

@@ -86,8 +86,6 @@ def single_size(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
     return None
 
 
-
-
 def shm_allocation(directory: Path, engine_id: str, rank: str, sizes: set[int]) -> ShmKvAllocation:
     """The allocation hook for one worker, after removing the KV files of killed engines."""
     for orphan in directory.glob(f"{SHM_PREFIX}*"):

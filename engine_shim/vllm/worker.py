@@ -528,5 +528,3 @@ class WorkerSide:
         # Removes the file's name; vLLM's tensors keep the mapping for as long as they live.
         if self._allocation is not None and self._allocation.buffer is not None:
             self._allocation.buffer.close()
-
-
