@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import shutil
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -32,17 +34,27 @@ def layout(base: int) -> WorkerLayout:
     return WorkerLayout(0, 0, regions, BLOCKS, 1, 16, "LBHNC", 1, 1, False)
 
 
+@contextlib.asynccontextmanager
+async def agent_pair(
+    transport: NixlTransport, seed: int
+) -> AsyncIterator[tuple[SharedBuffer, SharedBuffer, WorkerLayout, WorkerLayout, bytes]]:
+    """Agents "src" (random bytes from ``seed``) and "dst" over two shared buffers of one layout:
+    (source, target, source layout, target layout, src's metadata)."""
+    size = LAYERS * BLOCKS * BLOCK_LEN
+    with SharedBuffer(size) as source, SharedBuffer(size) as target:
+        source.array[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+        src, dst = layout(source.array.ctypes.data), layout(target.array.ctypes.data)
+        meta_src = await transport.create_agent("src", [(source.array.ctypes.data, size, 0)], "DRAM")
+        await transport.create_agent("dst", [(target.array.ctypes.data, size, 0)], "DRAM")
+        yield source, target, src, dst, meta_src
+
+
 def test_reads_merge_adjacent_blocks_and_move_the_bytes() -> None:
     async def scenario() -> None:
         notes: list[tuple[str, bytes]] = []
         transport = NixlTransport(NixlSettings(), lambda batch, seen_at: notes.extend(batch))
         transport.start(asyncio.get_running_loop())
-        size = LAYERS * BLOCKS * BLOCK_LEN
-        with SharedBuffer(size) as source, SharedBuffer(size) as target:
-            source.array[:] = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
-            src, dst = layout(source.array.ctypes.data), layout(target.array.ctypes.data)
-            meta_src = await transport.create_agent("src", [(source.array.ctypes.data, size, 0)], "DRAM")
-            await transport.create_agent("dst", [(target.array.ctypes.data, size, 0)], "DRAM")
+        async with agent_pair(transport, seed=1) as (source, target, src, dst, meta_src):
             transport.expect_notifications(1)
 
             local_list = DlistSpec("whole", lambda: view_descriptors(dst, Slice()))
@@ -185,14 +197,9 @@ def read_twice(settings: NixlSettings, seen: list[tuple[int, int, str]]) -> bool
     subprocess of ``test_post_priority_fails_soft_when_not_permitted``."""
 
     async def scenario() -> bool:
-        transport = NixlTransport(settings, lambda batch: None)
+        transport = NixlTransport(settings, lambda batch, seen_at: None)
         transport.start(asyncio.get_running_loop())
-        size = LAYERS * BLOCKS * BLOCK_LEN
-        with SharedBuffer(size) as source, SharedBuffer(size) as target:
-            source.array[:] = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
-            src, dst = layout(source.array.ctypes.data), layout(target.array.ctypes.data)
-            meta_src = await transport.create_agent("src", [(source.array.ctypes.data, size, 0)], "DRAM")
-            await transport.create_agent("dst", [(target.array.ctypes.data, size, 0)], "DRAM")
+        async with agent_pair(transport, seed=3) as (source, target, src, dst, meta_src):
             # Observe the real post from inside it: the owner thread's state while NIXL copies.
             agent = transport._agents["dst"].agent
             post = agent.transfer
