@@ -164,18 +164,33 @@ class SidecarClient:
         self.target = target or f"unix:{socket_path}"
         self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._rpc_threads = concurrent.futures.ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix="kvsidecar-rpc")
+        # Calls running on the RPC threads (close waits for them, bounded).
+        self._calls_changed = threading.Condition()
+        self._running = 0
 
     def close(self) -> None:
-        """Cancel queued calls, let running ones end (each within ``timeout``), then close the
-        channel: gRPC's C core can crash a thread whose call starts or runs on an intercepted
-        channel closed under it (seen: SIGSEGV in cygrpc with a call to a stopped sidecar in
-        flight at close)."""
-        self._rpc_threads.shutdown(wait=True, cancel_futures=True)
+        """Cancel queued calls, give running ones up to ``timeout`` to end, then close the channel:
+        gRPC's C core can crash a thread whose call runs on an intercepted channel closed under it
+        (seen: SIGSEGV in cygrpc with a call to a stopped sidecar in flight at close). It joins no
+        thread, so a call's done callback (on an RPC thread) may close the client too."""
+        self._rpc_threads.shutdown(wait=False, cancel_futures=True)
+        with self._calls_changed:
+            self._calls_changed.wait_for(lambda: self._running == 0, timeout=self.timeout)
         self._channel.close()
 
     def _start(self, method: Callable[..., Any], request: Any) -> concurrent.futures.Future[Any]:
         """Run one unary call on the RPC threads; the future completes with its response or error."""
-        return self._rpc_threads.submit(method, request, timeout=self.timeout)
+        return self._rpc_threads.submit(self._call, method, request)
+
+    def _call(self, method: Callable[..., Any], request: Any) -> Any:
+        with self._calls_changed:
+            self._running += 1
+        try:
+            return method(request, timeout=self.timeout)
+        finally:
+            with self._calls_changed:
+                self._running -= 1
+                self._calls_changed.notify_all()
 
     def __enter__(self) -> SidecarClient:
         return self
