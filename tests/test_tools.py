@@ -34,10 +34,15 @@ def test_demo_moves_and_verifies_every_byte_in_push_and_pull() -> None:
 
 def test_demo_stops_cleanly_on_ctrl_c() -> None:
     before = {name for name in os.listdir("/dev/shm") if name.startswith("kvsidecar-")}
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.app.cli", "demo", "--requests", "100000", "--concurrency", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(), start_new_session=True,
-    )  # fmt: skip
+    # Started as a shell's background job would be: with SIGINT ignored (inherited across exec).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.app.cli", "demo", "--requests", "100000", "--concurrency", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=python_env(), start_new_session=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         time.sleep(6.0)  # sidecars started, requests flowing
         children = [child.pid for child in psutil.Process(demo.pid).children(recursive=True)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,9 @@ def _add_demo(subparsers: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from sidecar.tools.demo import run_demo
 
+    # Ctrl-C stops the demo cleanly also when it was started as a shell's background job (or by
+    # anything else that left SIGINT ignored, which Python then keeps: no KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     if not modes or any(mode not in ("push", "pull") for mode in modes):
         print("kvsidecar: --modes takes push and/or pull", file=sys.stderr)
