@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 
 from engine_shim.client import SidecarClient
+from tests.support.conversations import healthy, post, post_stream, scrape
 from tests.support.processes import REPO, SidecarProcess, python_env, wait_until
 from tests.support.tiny_models import build_tiny_llama, prompt_words
 from tests.support.vllm_engine import (
@@ -334,13 +334,6 @@ def test_same_sidecar(cluster: Cluster, mode: str) -> None:
 # --- the proxy in front of vLLM's API servers ------------------------------------------------------
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        result: dict[str, Any] = json.loads(response.read())
-        return result
-
-
 def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
     """``examples/pd_proxy.py`` in front of two ``vllm serve`` instances (API + EngineCore
     processes, as deployed), in pull, push and concurrent-push flow."""
@@ -397,11 +390,11 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
             log.close()
             urls[(mode, concurrent)] = f"http://127.0.0.1:{port}"
         for url in urls.values():
-            wait_until(lambda url=url: _healthy(url), 30.0, 0.2, f"proxy {url}")
+            wait_until(lambda url=url: healthy(f"{url}/health"), 30.0, 0.2, f"proxy {url}")
         for (mode, concurrent), url in urls.items():
             for length in (140, 270):
                 prompt = fresh_prompt(length)
-                answer = _post(
+                answer = post(
                     f"{url}/v1/completions",
                     {
                         "model": "tiny",
@@ -448,26 +441,8 @@ def test_proxy_pull_push_and_concurrent_push(cluster: Cluster) -> None:
 
 def _stream_text(url: str, body: dict[str, Any], timeout: float = 120.0) -> str:
     """POST with ``stream: true`` and join the text of the server-sent events."""
-    request = urllib.request.Request(
-        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
-    )
-    pieces = []
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data:") :])
-            pieces.append(event["choices"][0]["text"] if event.get("choices") else "")
-    return "".join(pieces)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
-            return response.status == 200
-    except OSError:
-        return False
+    chunks = post_stream(url, body, timeout)
+    return "".join(chunk["choices"][0]["text"] if chunk.get("choices") else "" for chunk in chunks)
 
 
 # --- failures ------------------------------------------------------------------------------------
@@ -509,8 +484,7 @@ def _logged_count(server: VllmServer, name: str) -> int:
 
 def _metric(server: VllmServer, name: str) -> float | None:
     """The sum of a series over all its label sets on a vLLM server's /metrics (None if absent)."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=5.0) as response:
-        text = response.read().decode()
+    text = scrape(f"{server.url}/metrics")
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -31,6 +31,7 @@ import pytest
 
 from tests.support.conversations import (
     BLOCK,
+    QUERY_TIMEOUT,
     PrefillCounters,
     Turn,
     check,
@@ -53,9 +54,6 @@ from tests.support.vllm_engine import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 12
-# P's bound on a cache query. Generous: the test machine is shared and busy, and a query that
-# times out would make P compute (a correct answer, but not what this test checks).
-QUERY_TIMEOUT = 10.0
 
 
 @pytest.fixture(autouse=True)

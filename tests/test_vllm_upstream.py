@@ -45,6 +45,7 @@ from tests.support.conversations import (
     BLOCK,
     BLOCK_BYTES,
     LAYERS,
+    QUERY_TIMEOUT,
     PrefillCounters,
     Turn,
     check,
@@ -71,7 +72,6 @@ from tests.support.vllm_engine import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 12
-QUERY_TIMEOUT = 10.0  # generous: a query that times out makes P compute (see test_vllm_multiturn)
 # proxy file -> its health endpoint
 PROXIES = {"toy_proxy_server.py": "/healthcheck", "disagg_proxy_multiturn.py": "/health"}
 

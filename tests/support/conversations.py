@@ -20,6 +20,10 @@ BLOCK = 32
 LAYERS = 2
 BLOCK_BYTES = 2 * BLOCK * 64 * 4  # one block of one layer: 2 KV heads x 32 tokens x (2 x 32) x fp32
 THRESHOLD = 64  # kv_recompute_threshold (the default)
+# P's bound on a cache query (multi_turn_query_timeout). Generous: the test machine is shared and
+# busy, and a query that times out would make P compute (a correct answer, but not what the
+# multi-turn tests check).
+QUERY_TIMEOUT = 10.0
 
 
 def fresh_tokens(count: int, rng: random.Random) -> list[int]:
