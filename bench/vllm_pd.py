@@ -120,6 +120,7 @@ class Config:
     concurrent_label: str = ""
     grpc_spin_patch: bool = False  # diagnostic: bench/grpc_spin_sitecustomize.py on the servers' PYTHONPATH
     sidecar_env: tuple[tuple[str, str], ...] = ()  # extra environment of the sidecars (settings A/B)
+    shim_config: tuple[tuple[str, Any], ...] = ()  # extra kv_connector_extra_config of the shim (A/B)
 
 
 CONFIGS: dict[str, Config] = {
@@ -178,6 +179,22 @@ CONFIGS: dict[str, Config] = {
             "sidecar",
             "pull",
             grpc_spin_patch=True,
+        ),
+        Config(
+            "kvsidecar-push-vllm-busy-loop",
+            "kvsidecar push, engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "push",
+            shim_config=(("engine_busy_loop", -1.0),),
+        ),
+        Config(
+            "kvsidecar-pull-vllm-busy-loop",
+            "kvsidecar pull, engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "pull",
+            shim_config=(("engine_busy_loop", -1.0),),
         ),
         Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
         Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
@@ -496,7 +513,8 @@ class Bench:
             return None
         if config.connector == "sidecar":
             assert socket_path is not None
-            return sidecar_kv_transfer_config(engine_id, role, socket_path, {"transfer_mode": config.mode})
+            extra = {"transfer_mode": config.mode, **dict(config.shim_config)}
+            return sidecar_kv_transfer_config(engine_id, role, socket_path, extra)
         return {
             "kv_connector": config.connector,
             "kv_role": role,

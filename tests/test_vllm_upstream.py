@@ -262,6 +262,13 @@ def _multiturn_proxy(stack: Stack, mode: str, turns: int = 4) -> None:
 
 def test_toy_proxy_pull(stack: Stack) -> None:
     _toy_proxy(stack, "pull")
+    # The shim capped the shm queue busy loop in both of D's engine processes (engine_spin), so an
+    # engine that only waits for KV leaves the cores to the sidecar.
+    capped = [
+        line for line in stack.decode.log_path.read_text(errors="replace").splitlines() if "busy-loop at most" in line
+    ]
+    assert any("EngineCore" in line for line in capped), capped
+    assert any("Worker" in line for line in capped), capped
 
 
 def test_multiturn_proxy_pull(stack: Stack) -> None:

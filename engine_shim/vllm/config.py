@@ -21,7 +21,7 @@ from kvsidecar.v1 import common_pb2
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvsidecar.config")
 
 ROLES = {
     "kv_producer": common_pb2.ENGINE_ROLE_PRODUCER,
@@ -58,6 +58,10 @@ class ShimConfig:
     # In a step that computes nothing while transfers are outstanding, the worker waits up to this
     # long for their next event instead of returning at once (0 = never wait); see WorkerSide.
     idle_wait: float = 0.002
+    # How long vLLM's shm queue readers in this engine busy-loop after a read before they sleep
+    # (vLLM: 1 s); below idle_wait, so an engine that only waits for KV leaves the cores to the
+    # sidecar. Negative = leave vLLM's. See engine_spin.
+    engine_busy_loop: float = 0.001
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)
 

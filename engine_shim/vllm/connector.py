@@ -64,6 +64,7 @@ from vllm.logger import init_logger
 from engine_shim.vllm import stats
 from engine_shim.vllm.compat import REQUIRED_LAYOUT, check_groups, compat_factors
 from engine_shim.vllm.config import ShimConfig
+from engine_shim.vllm.engine_spin import cap_busy_loop
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.scheduler import SchedulerSide
 from engine_shim.vllm.worker import WorkerSide
@@ -80,7 +81,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvsidecar.connector")
 
 
 class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
@@ -94,6 +95,7 @@ class SidecarConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError("SidecarConnector needs kv_transfer_config.engine_id")
         self.config = ShimConfig.from_vllm(vllm_config)
         check_groups(kv_cache_config)
+        cap_busy_loop(self.config.engine_busy_loop)
         if transfer.kv_load_failure_policy != "recompute" and transfer.is_kv_consumer:
             logger.warning(
                 "SidecarConnector: kv_load_failure_policy=%r: a failed KV load fails the request; set "

@@ -40,7 +40,7 @@ from engine_shim.vllm.config import SHM_DIR
 from kvsidecar.shm import VLLM_PREFIX, remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvsidecar.kv_memory")
 
 SHM_PREFIX = VLLM_PREFIX  # see kvsidecar.shm: not the simulated engines' prefix
 

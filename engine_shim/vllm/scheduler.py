@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvsidecar.scheduler")
 
 
 # Status codes with which the sidecar refused a request call before starting anything: the request

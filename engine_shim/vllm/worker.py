@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvsidecar.worker")
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""How long this engine process's shared-memory queue readers busy-loop before they sleep.
+
+vLLM's multiprocess executor passes every step between the EngineCore and its workers through
+shared-memory ring buffers (``vllm.distributed.device_communicators.shm_broadcast``). A reader with
+nothing to read spins on ``sched_yield`` for ``SpinCondition.busy_loop_s`` (1 s, not configurable)
+after its last read, and only then sleeps on the writer's zmq notification. While D waits for KV its
+engine steps every few milliseconds, so both the EngineCore (waiting for the worker's output) and
+the worker (waiting for the next step) stay in that spin for as long as the wait lasts, and P's
+worker spins for a second after the prefill that produced the KV. On a node without spare cores
+those spinners take the cores that the node's sidecar needs to move the KV: the sidecar's NIXL
+thread was measured waiting 78-240 ms on the run queue per transfer at 8k tokens (bench/README.md).
+vLLM's in-process NIXL does not pay this, because its copy runs inside the worker that would spin.
+
+``cap_busy_loop(limit)`` wraps ``SpinCondition.wait`` once per process so every reader of the
+process, those built before and after, spins at most ``limit`` seconds past its last read and then
+sleeps until the writer's notification (about 0.1 ms to wake). The connector calls it from its
+constructor (both roles: the scheduler role runs in the EngineCore, the worker role in each worker)
+with ``kv_connector_extra_config["engine_busy_loop"]``.
+
+Threads: called from whichever thread vLLM builds the connector on; the wrapper runs on the
+readers' threads and only compares and lowers one float attribute of the reader.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.kvsidecar.engine_spin")
+
+_PATCHED_ATTRIBUTE = "_kvsidecar_busy_loop_cap"
+
+
+def cap_busy_loop(limit: float) -> bool:
+    """Caps the busy loop of every shm queue reader in this process at ``limit`` seconds (a negative
+    ``limit`` leaves vLLM's). Returns whether a cap is in force; a vLLM without the hook logs why."""
+    if limit < 0:
+        return False
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError as error:
+        logger.warning("SidecarConnector: engine_busy_loop not applied: %s", error)
+        return False
+    if not callable(getattr(SpinCondition, "wait", None)):
+        logger.warning("SidecarConnector: engine_busy_loop not applied: SpinCondition has no wait()")
+        return False
+    current = getattr(SpinCondition, _PATCHED_ATTRIBUTE, None)
+    if current is not None:
+        # Two connectors in one process (rare: a test's in-process engine): the lower cap wins.
+        setattr(SpinCondition, _PATCHED_ATTRIBUTE, min(current, limit))
+        return True
+    setattr(SpinCondition, _PATCHED_ATTRIBUTE, limit)
+    original = SpinCondition.wait
+
+    @functools.wraps(original)
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        cap = getattr(SpinCondition, _PATCHED_ATTRIBUTE)
+        if getattr(self, "busy_loop_s", 0) > cap:
+            self.busy_loop_s = cap
+        original(self, timeout_ms)
+
+    SpinCondition.wait = wait  # type: ignore[method-assign]
+    logger.info("SidecarConnector: engine shm queue readers busy-loop at most %.4f s (vLLM: 1 s)", limit)
+    return True
