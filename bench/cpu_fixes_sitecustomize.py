@@ -16,6 +16,11 @@ files is edited; the patches are applied when the patched modules are first impo
    ``sched_setaffinity`` does nothing (and logs that it was skipped); every other ``os`` attribute is
    the real one, and no other module's ``os`` is touched.
 
+3. Only with ``KVBENCH_ENGINE_BUSY_LOOP=<seconds>`` in the environment (a diagnostic, not a fix of
+   vLLM's connectors): ``vllm.distributed.device_communicators.shm_broadcast`` gets the busy-loop
+   cap that kvsidecar's shim applies to its engines (``engine_shim.vllm.engine_spin``), so a run
+   can tell how much of a difference is the transport and how much the engines' spinning.
+
 Each applied patch writes one ``kvbench-cpu-fix: ...`` line to stderr, which lands in the server's
 log: the benchmark checks those lines to prove the fixes were active.
 """
@@ -78,8 +83,18 @@ def _patch_worker(module: types.ModuleType) -> None:
     _say(f"{module.__name__}: os.sched_setaffinity disabled")
 
 
+def _patch_busy_loop(module: types.ModuleType) -> None:
+    from engine_shim.vllm.engine_spin import cap_busy_loop
+
+    limit = float(os.environ["KVBENCH_ENGINE_BUSY_LOOP"])
+    if cap_busy_loop(limit):
+        _say(f"{module.__name__}: engine busy loop capped at {limit} s")
+
+
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {name: _patch_nixl for name in _NIXL_MODULES}
 _PATCHES[_WORKER_MODULE] = _patch_worker
+if os.environ.get("KVBENCH_ENGINE_BUSY_LOOP"):
+    _PATCHES["vllm.distributed.device_communicators.shm_broadcast"] = _patch_busy_loop
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -76,6 +76,8 @@ _BENCH_SERVE = (
 )
 SERVED_MODEL = "tiny"  # the servers' --served-model-name (tests.support.vllm_engine.VllmServer)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
+# Not run unless named: vLLM's connectors with kvsidecar's engine busy-loop cap (bench.vllm_pd).
+DIAGNOSTIC_CONFIGS = ("nixl-pull-fixed-busy-loop", "nixl-push-fixed-busy-loop")
 PROXY = REPO / "examples" / "pd_proxy.py"
 
 
@@ -363,7 +365,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.vllm_load", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "vllm_load.json")
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "vllm_load.png")
-    parser.add_argument("--configs", nargs="+", choices=LOAD_CONFIGS, default=list(LOAD_CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=LOAD_CONFIGS + DIAGNOSTIC_CONFIGS, default=list(LOAD_CONFIGS))
     parser.add_argument(
         "--rates", nargs="+", default=["0.5", "1", "2", "4", "inf"], help="requests/s; inf = all at once"
     )

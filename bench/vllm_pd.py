@@ -18,6 +18,12 @@ warmed up, measured and stopped, all in ONE invocation:
   alive instead of starting a thread per call (see that file for why).
 - ``kvsidecar-push-post-priority`` / ``kvsidecar-pull-post-priority`` (A/B of a setting): kvsidecar
   with ``nixl.post_priority=1``, i.e. NIXL posts (on one host: the copy) as ``SCHED_FIFO``.
+- ``kvsidecar-push-vllm-busy-loop`` / ``kvsidecar-pull-vllm-busy-loop`` (A/B of a setting): kvsidecar
+  with ``engine_busy_loop=-1``, i.e. the engines' shm queues spin for 1 s as vLLM ships them;
+- ``nixl-pull-fixed-busy-loop`` / ``nixl-push-fixed-busy-loop`` (diagnostic, not a fix of vLLM's
+  connectors): vLLM's connectors with the CPU fixes *and* the engine busy-loop cap that kvsidecar's
+  shim applies (``KVBENCH_ENGINE_BUSY_LOOP`` in ``bench/cpu_fixes_sitecustomize.py``), to tell how
+  much of a difference is the transport and how much the engines' spinning.
 
 Flow per measured request: the client sends P's leg (``max_tokens=1``, not timed), then D's leg
 with P's ``kv_transfer_params``, streamed; D's time to first token (TTFT) is the time from sending
@@ -63,7 +69,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +110,7 @@ FIXES_SOURCE = REPO / "bench" / "cpu_fixes_sitecustomize.py"
 GRPC_SPIN_SOURCE = REPO / "bench" / "grpc_spin_sitecustomize.py"
 FIX_MARKERS: tuple[str, ...] = ("progress thread delay", "skipped NIXL worker's os.sched_setaffinity")
 GRPC_SPIN_MARKER = "kvbench-grpc-spin: patched"
+BUSY_LOOP_MARKER = "engine busy loop capped"
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,7 @@ class Config:
     grpc_spin_patch: bool = False  # diagnostic: bench/grpc_spin_sitecustomize.py on the servers' PYTHONPATH
     sidecar_env: tuple[tuple[str, str], ...] = ()  # extra environment of the sidecars (settings A/B)
     shim_config: tuple[tuple[str, Any], ...] = ()  # extra kv_connector_extra_config of the shim (A/B)
+    server_env: tuple[tuple[str, str], ...] = ()  # extra environment of the vLLM servers (diagnostics)
 
 
 CONFIGS: dict[str, Config] = {
@@ -196,6 +204,24 @@ CONFIGS: dict[str, Config] = {
             "pull",
             shim_config=(("engine_busy_loop", -1.0),),
         ),
+        Config(
+            "nixl-pull-fixed-busy-loop",
+            "vLLM NixlConnector (pull), engines' shm queues capped as kvsidecar's shim does",
+            "with CPU fixes + busy-loop cap (diagnostic)",
+            "NixlConnector",
+            "pull",
+            True,
+            server_env=(("KVBENCH_ENGINE_BUSY_LOOP", "0.001"),),
+        ),
+        Config(
+            "nixl-push-fixed-busy-loop",
+            "vLLM NixlPushConnector, engines' shm queues capped as kvsidecar's shim does",
+            "with CPU fixes + busy-loop cap (diagnostic)",
+            "NixlPushConnector",
+            "push",
+            True,
+            server_env=(("KVBENCH_ENGINE_BUSY_LOOP", "0.001"),),
+        ),
         Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
         Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
     )
@@ -206,6 +232,8 @@ BASELINES = {
     "nixl-pull-shipped": "vs_nixl_pull_shipped",
     "nixl-push-fixed": "vs_nixl_push_fixed",
     "nixl-push-shipped": "vs_nixl_push_shipped",
+    "nixl-pull-fixed-busy-loop": "vs_nixl_pull_fixed_busy_loop",
+    "nixl-push-fixed-busy-loop": "vs_nixl_push_fixed_busy_loop",
 }
 
 
@@ -252,6 +280,7 @@ class Server(VllmServer):
         kv_transfer_config: dict[str, Any] | None,
         patch_dirs: list[Path],
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.side_channel_port = free_port()
         pythonpath = list(patch_dirs)
@@ -269,6 +298,7 @@ class Server(VllmServer):
             extra_env={
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
+                **(env or {}),
             },
             pythonpath=pythonpath,
             extra_args=extra_args,
@@ -553,6 +583,7 @@ class Bench:
                 kv_space_gib=self.args.kv_space_gib,
                 kv_transfer_config=self._kv_config(config, role, engine_ids[side], socket_path),
                 patch_dirs=patches,
+                env=dict(config.server_env),
             )
             self.reaper.servers.append(server)
             servers[side] = server
@@ -571,6 +602,7 @@ class Bench:
         setup = Setup(config, servers["P"], servers["D"], sidecars, metrics, engine_ids)
         markers = FIX_MARKERS if config.fixes else ()
         markers += (GRPC_SPIN_MARKER,) if config.grpc_spin_patch else ()
+        markers += (BUSY_LOOP_MARKER,) if dict(config.server_env).get("KVBENCH_ENGINE_BUSY_LOOP") else ()
         if markers:
             missing = [(s.name, m) for s in (setup.prefill, setup.decode) for m in markers if not s.log_has(m)]
             if missing:
