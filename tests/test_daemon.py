@@ -181,6 +181,7 @@ def test_systemd_unit_verifies() -> None:
         "EnvironmentFile=",
         "ReadWritePaths=/dev/shm /run/kvsidecar",
         "LimitRTPRIO=",
+        "CPUWeight=",
     ):
         assert line in text
 
