@@ -76,8 +76,14 @@ _BENCH_SERVE = (
 )
 SERVED_MODEL = "tiny"  # the servers' --served-model-name (tests.support.vllm_engine.VllmServer)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
-# Not run unless named: vLLM's connectors with kvsidecar's engine busy-loop cap (bench.vllm_pd).
-DIAGNOSTIC_CONFIGS = ("nixl-pull-fixed-busy-loop", "nixl-push-fixed-busy-loop")
+# Not run unless named (bench.vllm_pd's rows): vLLM's connectors with kvsidecar's engine busy-loop cap,
+# and kvsidecar with its sidecars weighted as the systemd unit weights them.
+DIAGNOSTIC_CONFIGS = (
+    "nixl-pull-fixed-busy-loop",
+    "nixl-push-fixed-busy-loop",
+    "kvsidecar-pull-weighted",
+    "kvsidecar-push-weighted",
+)
 PROXY = REPO / "examples" / "pd_proxy.py"
 
 

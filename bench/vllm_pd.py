@@ -20,6 +20,8 @@ warmed up, measured and stopped, all in ONE invocation:
   with ``nixl.post_priority=1``, i.e. NIXL posts (on one host: the copy) as ``SCHED_FIFO``.
 - ``kvsidecar-push-vllm-busy-loop`` / ``kvsidecar-pull-vllm-busy-loop`` (A/B of a setting): kvsidecar
   with ``engine_busy_loop=-1``, i.e. the engines' shm queues spin for 1 s as vLLM ships them;
+- ``kvsidecar-push-weighted`` / ``kvsidecar-pull-weighted`` (A/B): the sidecars weighted as the
+  systemd unit weights them (``CPUWeight=1000``), emulated with their autogroup's nice value (-10);
 - ``nixl-pull-fixed-busy-loop`` / ``nixl-push-fixed-busy-loop`` (diagnostic, not a fix of vLLM's
   connectors): vLLM's connectors with the CPU fixes *and* the engine busy-loop cap that kvsidecar's
   shim applies (``KVBENCH_ENGINE_BUSY_LOOP`` in ``bench/cpu_fixes_sitecustomize.py``), to tell how
@@ -129,6 +131,10 @@ class Config:
     sidecar_env: tuple[tuple[str, str], ...] = ()  # extra environment of the sidecars (settings A/B)
     shim_config: tuple[tuple[str, Any], ...] = ()  # extra kv_connector_extra_config of the shim (A/B)
     server_env: tuple[tuple[str, str], ...] = ()  # extra environment of the vLLM servers (diagnostics)
+    # The sidecars' CPU weight as systemd/kvsidecar.service sets it (CPUWeight=1000, ten times the
+    # default), emulated here with the nice value of each sidecar's autogroup (-10: ~9.3x): on this
+    # box every process session is a scheduling group of its own, with no cgroup per service.
+    sidecar_weighted: bool = False
 
 
 CONFIGS: dict[str, Config] = {
@@ -221,6 +227,22 @@ CONFIGS: dict[str, Config] = {
             "push",
             True,
             server_env=(("KVBENCH_ENGINE_BUSY_LOOP", "0.001"),),
+        ),
+        Config(
+            "kvsidecar-push-weighted",
+            "kvsidecar push, sidecars weighted as the systemd unit does (autogroup nice -10)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "push",
+            sidecar_weighted=True,
+        ),
+        Config(
+            "kvsidecar-pull-weighted",
+            "kvsidecar pull, sidecars weighted as the systemd unit does (autogroup nice -10)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "pull",
+            sidecar_weighted=True,
         ),
         Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
         Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
@@ -566,6 +588,10 @@ class Bench:
                 daemon = DaemonProcess(self.workdir, f"{config.key}-{side}", args, env)
                 self.reaper.sidecars.append(daemon)
                 daemon.start(timeout=60.0)
+                if config.sidecar_weighted:
+                    assert daemon.process is not None
+                    # The daemon leads its own session (DaemonProcess), hence its own autogroup.
+                    Path(f"/proc/{daemon.process.pid}/autogroup").write_text("-10")
                 sidecars[side] = daemon
                 metrics[side] = f"http://127.0.0.1:{port}/metrics"
         engine_ids = {side: f"{config.key}-{side.lower()}-{self.token}" for side in ("P", "D")}

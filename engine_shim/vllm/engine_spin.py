@@ -39,10 +39,14 @@ def cap_busy_loop(limit: float) -> bool:
     if limit < 0:
         return False
     try:
+        from vllm.distributed.device_communicators import shm_broadcast
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError as error:
         logger.warning("SidecarConnector: engine_busy_loop not applied: %s", error)
         return False
+    if getattr(shm_broadcast, "SPINLOOP_EXT_ENABLED", False):
+        # Its compiled loop spins (up to 0.1 s per wait) before SpinCondition.wait is reached.
+        logger.warning("SidecarConnector: VLLM_USE_SPINLOOP_EXT=1 spins before engine_busy_loop applies; unset it")
     if not callable(getattr(SpinCondition, "wait", None)):
         logger.warning("SidecarConnector: engine_busy_loop not applied: SpinCondition has no wait()")
         return False
