@@ -137,6 +137,15 @@ class Config:
     sidecar_weighted: bool = False
 
 
+def _kvsidecar_ab(suffix: str, what: str, setup: str = "kvsidecar, A/B", **settings: Any) -> tuple[Config, Config]:
+    """The push and pull rows ``kvsidecar-{push,pull}-<suffix>`` of one setting's A/B."""
+
+    def row(mode: str) -> Config:
+        return Config(f"kvsidecar-{mode}-{suffix}", f"kvsidecar {mode}, {what}", setup, "sidecar", mode, **settings)
+
+    return row("push"), row("pull")
+
+
 CONFIGS: dict[str, Config] = {
     c.key: c
     for c in (
@@ -162,53 +171,26 @@ CONFIGS: dict[str, Config] = {
             concurrent_key="nixl-push-fixed-concurrent",
             concurrent_label="vLLM NixlPushConnector, both legs dispatched at once",
         ),
-        Config(
-            "kvsidecar-push-grpc-spin",
-            "kvsidecar push, engines with one persistent gRPC spin thread",
+        *_kvsidecar_ab(
+            "grpc-spin",
+            "engines with one persistent gRPC spin thread",
             "kvsidecar + gRPC patch (diagnostic)",
-            "sidecar",
-            "push",
             grpc_spin_patch=True,
         ),
-        Config(
-            "kvsidecar-push-post-priority",
-            "kvsidecar push, posts as SCHED_FIFO (nixl.post_priority=1)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "push",
+        *_kvsidecar_ab(
+            "post-priority",
+            "posts as SCHED_FIFO (nixl.post_priority=1)",
             sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
         ),
-        Config(
-            "kvsidecar-pull-post-priority",
-            "kvsidecar pull, posts as SCHED_FIFO (nixl.post_priority=1)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "pull",
-            sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
-        ),
-        Config(
-            "kvsidecar-pull-grpc-spin",
-            "kvsidecar pull, engines with one persistent gRPC spin thread",
-            "kvsidecar + gRPC patch (diagnostic)",
-            "sidecar",
-            "pull",
-            grpc_spin_patch=True,
-        ),
-        Config(
-            "kvsidecar-push-vllm-busy-loop",
-            "kvsidecar push, engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "push",
+        *_kvsidecar_ab(
+            "vllm-busy-loop",
+            "engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
             shim_config=(("engine_busy_loop", -1.0),),
         ),
-        Config(
-            "kvsidecar-pull-vllm-busy-loop",
-            "kvsidecar pull, engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "pull",
-            shim_config=(("engine_busy_loop", -1.0),),
+        *_kvsidecar_ab(
+            "weighted",
+            "sidecars weighted as the systemd unit does (autogroup nice -10)",
+            sidecar_weighted=True,
         ),
         Config(
             "nixl-pull-fixed-busy-loop",
@@ -227,22 +209,6 @@ CONFIGS: dict[str, Config] = {
             "push",
             True,
             server_env=(("KVBENCH_ENGINE_BUSY_LOOP", "0.001"),),
-        ),
-        Config(
-            "kvsidecar-push-weighted",
-            "kvsidecar push, sidecars weighted as the systemd unit does (autogroup nice -10)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "push",
-            sidecar_weighted=True,
-        ),
-        Config(
-            "kvsidecar-pull-weighted",
-            "kvsidecar pull, sidecars weighted as the systemd unit does (autogroup nice -10)",
-            "kvsidecar, A/B",
-            "sidecar",
-            "pull",
-            sidecar_weighted=True,
         ),
         Config("nixl-pull-shipped", "vLLM NixlConnector (pull)", "as shipped", "NixlConnector", "pull"),
         Config("nixl-push-shipped", "vLLM NixlPushConnector", "as shipped", "NixlPushConnector", "push"),
