@@ -10,6 +10,7 @@ waits: it returns at once (spins) or sleeps until the writer's notification or t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from engine_shim.vllm.config import ShimConfig
 REPO = Path(__file__).resolve().parents[1]
 
 PROBE = r"""
-import json, sys, threading, time
+import json, os, sys, threading, time
 import zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.network_utils import get_open_zmq_ipc_path
@@ -57,19 +58,24 @@ print(json.dumps({
     "after_idle_s": idle_wait(built_after, None),
     "notified_s": idle_wait(built_after, 0.05),
 }))
+context.destroy(linger=0)
+os.unlink(address.removeprefix("ipc://"))  # zmq leaves a bound ipc socket's file behind
 """
 
 
-def probe(cap: str) -> dict[str, Any]:
+def probe(cap: str, rpc_dir: Path) -> dict[str, Any]:
+    # The writer's zmq ipc socket file goes to vLLM's RPC base path: the test's own directory.
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": str(rpc_dir)}
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, cap], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", PROBE, cap], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(rpc_dir.iterdir()), "the probe left zmq socket files behind"
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning() -> None:
-    outcome = probe("default")
+def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning(tmp_path: Path) -> None:
+    outcome = probe("default", tmp_path)
     assert outcome["applied"] is True
     # vLLM alone would return at once (one sched_yield) and be called again: a spin. Capped, an idle
     # reader sleeps for the whole timeout, those built before the cap as well as after it...
@@ -81,8 +87,8 @@ def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning() -> No
     assert 0 <= outcome["limit"] < ShimConfig(sidecar_socket="unused").idle_wait
 
 
-def test_a_negative_engine_busy_loop_leaves_vllm_spinning() -> None:
-    outcome = probe("-1")
+def test_a_negative_engine_busy_loop_leaves_vllm_spinning(tmp_path: Path) -> None:
+    outcome = probe("-1", tmp_path)
     assert outcome["applied"] is False
     assert outcome["before_idle_s"] < 0.3, outcome
     assert outcome["after_idle_s"] < 0.3, outcome
