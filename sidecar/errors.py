@@ -41,7 +41,8 @@ class FailedPrecondition(SidecarError):
 
 
 class PermissionDenied(SidecarError):
-    """A peer acted on a transfer it is not a party to (mTLS identity); the message says whose."""
+    """A caller acted on what is not its own: a peer on a transfer it is not a party to (mTLS
+    identity), an engine-socket user on another user's engine or file; the message says whose."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
 

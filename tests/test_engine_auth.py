@@ -17,8 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine_shim.client import SidecarClient, engine_channel
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.support.processes import REPO, wait_until
 
 
@@ -136,3 +137,65 @@ def test_only_the_configured_users_get_in(sidecars, workdir: Path) -> None:
     # The daemon's own user (root here) is always allowed.
     with engine_channel(side.socket) as channel:
         assert _status(channel).sidecar.sidecar_id == side.sidecar_id
+
+
+def _refused(call, *args, **kwargs) -> str:
+    with pytest.raises(grpc.RpcError) as refused:
+        call(*args, **kwargs)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    return refused.value.details()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other users")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 that other users can run")
+def test_a_user_acts_only_on_its_own_engines_and_files(sidecars, workdir: Path) -> None:
+    """The daemon (root here) opens files and acts on engines its callers may not: an allowed user
+    registers only shared memory it owns, and no other user may act on the engine it registered."""
+    os.chmod(workdir, 0o711)
+    owner, other = 65533, 65531
+    side = sidecars("s", args=["--set", "engine_socket_mode=0666", "--set", f"engine_allowed_uids={owner},{other}"])
+    tokens = {uid: _as_user(side.socket, uid, uid)[0]["token"] for uid in (owner, other)}
+
+    def as_user(uid: int) -> tuple[tuple[str, str], ...]:
+        return ((TOKEN_KEY, tokens[uid]),)
+
+    layout = KvLayout(num_layers=2, num_blocks=8, block_len=4096)
+    with SharedBuffer(layout.total_bytes) as buffer, grpc.insecure_channel(f"unix:{side.socket}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        request = kv_registration("eng-a", common_pb2.ENGINE_ROLE_PRODUCER, layout, [buffer.export()])
+        # The file is root's (this process made it): the daemon could open it, the caller could not.
+        why = _refused(stub.RegisterWorker, request, timeout=10, metadata=as_user(owner))
+        assert f"{buffer.path} belongs to uid 0, not to the caller (uid {owner})" in why
+        assert not _status(channel, as_user(owner)).engines
+
+        os.chown(buffer.path, owner, owner)
+        assert stub.RegisterWorker(request, timeout=10, metadata=as_user(owner)).engine_complete
+        # Another allowed user may not add a worker to it, release its requests, or unregister it.
+        os.chown(buffer.path, other, other)  # even with a file of its own
+        for method, message in (
+            (stub.RegisterWorker, request),
+            (stub.Release, engine_pb2.ReleaseRequest(engine_id="eng-a", request_id="r1", reason="hostile")),
+            (stub.UnregisterWorker, engine_pb2.UnregisterWorkerRequest(engine_id="eng-a")),
+            (stub.SubmitBlocks, engine_pb2.SubmitBlocksRequest(engine_id="eng-a", request_id="r2")),
+        ):
+            why = _refused(method, message, timeout=10, metadata=as_user(other))
+            assert f"engine 'eng-a' belongs to uid {owner}; uid {other} may act only on its own engines" in why
+        line = _logged(side, "engine_owner_refused", method="UnregisterWorker", uid=other)
+        assert line["owner_uid"] == owner and line["engine_id"] == "eng-a"
+        status = _status(channel, as_user(owner))
+        assert [engine.engine_id for engine in status.engines] == ["eng-a"]  # still registered, untouched
+
+        # Its owner acts on it; so does root (the daemon's uid), which can read every engine anyway.
+        release = engine_pb2.ReleaseRequest(engine_id="eng-a", request_id="r1", reason="test")
+        stub.Release(release, timeout=10, metadata=as_user(owner))
+        with SidecarClient(side.socket, timeout=10) as client:
+            client.stub.Release(release, timeout=10)
+        stub.UnregisterWorker(
+            engine_pb2.UnregisterWorkerRequest(engine_id="eng-a"), timeout=10, metadata=as_user(owner)
+        )
+        assert not _status(channel, as_user(owner)).engines
+        # Once gone, the engine id is free: the other user may register it with its own file.
+        assert stub.RegisterWorker(request, timeout=10, metadata=as_user(other)).engine_complete
+        stub.UnregisterWorker(
+            engine_pb2.UnregisterWorkerRequest(engine_id="eng-a"), timeout=10, metadata=as_user(other)
+        )

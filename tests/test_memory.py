@@ -20,7 +20,7 @@ from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.dataplane.memory import ExportSpec, MemoryImporter
-from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from tests.support.processes import EngineProcess, wait_until
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=4096)
@@ -60,6 +60,18 @@ def test_mapping_outside_the_allowed_directories_or_past_the_file_is_refused(tmp
         importer.map(ExportSpec("DRAM", "/dev/shm/kvsidecar-no-such-file", b"", 0, 10, 0), "exports[0]")
     with SharedBuffer(8192) as buffer, pytest.raises(InvalidArgument, match="exceeds the size"):
         importer.map(ExportSpec("DRAM", str(buffer.path), b"", 4096, 8192, 0), "exports[0]")
+
+
+def test_a_file_of_another_user_is_refused_when_the_caller_must_own_it() -> None:
+    importer = MemoryImporter([Path("/dev/shm")])
+    with SharedBuffer(8192) as buffer:
+        spec = ExportSpec("DRAM", str(buffer.path), b"", 0, 8192, 0)
+        stranger = os.getuid() + 1
+        with pytest.raises(
+            PermissionDenied, match=f"belongs to uid {os.getuid()}, not to the caller \\(uid {stranger}\\)"
+        ):
+            importer.map(spec, "exports[0]", owner_uid=stranger)
+        importer.release(importer.map(spec, "exports[0]", owner_uid=os.getuid()))  # its own file maps
 
 
 def test_vram_without_a_gpu_is_failed_precondition_with_a_clear_message() -> None:

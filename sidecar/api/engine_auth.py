@@ -17,6 +17,13 @@ Who is allowed: the daemon's own uid and root always (either can read the daemon
 its socket anyway), plus ``engine_allowed_uids`` and any caller whose gid is in
 ``engine_allowed_gids``.
 
+Whose engine: an allowed caller acts only on its own engines. The uid whose call registered an
+engine's first worker owns it (``Engine.owner_uid``), and a worker's shared-memory files must be
+that uid's own; a call of another uid naming the engine is PERMISSION_DENIED (``engine_owner_refused``
+log line). Without this, the root daemon would be a confused deputy: any allowed user could have it
+map another user's files, or pull into, release or unregister another user's engine. Root and the
+daemon's uid act on every engine (``acting_uid``).
+
 Runs on the event loop thread.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import hmac
 import os
@@ -55,6 +63,20 @@ class Caller:
     uid: int
     gid: int
     pid: int
+
+
+# Who makes the engine-socket call being served: set by ``TokenInterceptor`` once the call's token
+# checks out. None where no token is involved (the peer server, the core driven in-process).
+CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvsidecar_caller", default=None)
+
+
+def acting_uid() -> int | None:
+    """The uid whose engines the current call may act on, or None if it may act on any: root and
+    the daemon's own uid can read every engine's memory anyway, and so can an in-process caller."""
+    caller = CALLER.get()
+    if caller is None or caller.uid in (0, os.getuid()):
+        return None
+    return caller.uid
 
 
 class SessionTokens:
@@ -173,6 +195,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         token = next((str(value) for key, value in details.invocation_metadata or () if key == TOKEN_KEY), "")
         caller = self._tokens.verify(token) if token else None
         if caller is not None:
+            CALLER.set(caller)
             return handler
         why = "none sent" if not token else "not issued by this instance of the sidecar (restarted?) or forged"
         log.warning("engine_call_refused", method=method, token=why, **SessionTokens.claimed(token))

@@ -8,6 +8,10 @@ every other RPC of the sidecar meanwhile. Everything else runs on the event loop
 Removal order matters: the engine's requests end first, transfers that touch its memory are
 awaited (bounded), then its agent is destroyed and its mapping revoked, and only then is the
 worker's stream closed; a killed engine's locked KV file is removed once its lock is gone.
+
+Ownership: the uid whose call registers an engine's first worker owns the engine; another uid's
+worker for it is refused, and so is a shared-memory file its caller does not own
+(``api.engine_auth``, "Whose engine").
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from sidecar.core.registry import Engine, Worker, worker_id
 from sidecar.dataplane.memory import ExportSpec, MappedMemory, MemoryImporter
 from sidecar.dataplane.plan.layout import RegionLayout
 from sidecar.dataplane.plane import worker_layout
-from sidecar.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from sidecar.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted, Unavailable
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.node")
@@ -41,11 +45,16 @@ class Registrations:
         # Set by the node: end every request of an engine (its worker is going); returns how many.
         self.drop_engine: Callable[[str, str], int] = lambda engine_id, reason: 0
 
-    async def register_worker(self, request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerResponse:
+    async def register_worker(
+        self, request: engine_pb2.RegisterWorkerRequest, uid: int | None = None
+    ) -> engine_pb2.RegisterWorkerResponse:
+        """``uid``: the caller's, if it may act only on its own engines and files
+        (``api.engine_auth.acting_uid``); None for root, the daemon's uid and in-process callers."""
         ctx = self._ctx
         if ctx.tasks.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         spec = validation.register_worker(request)
+        self._check_owner(spec.engine_id, uid)
         if spec.tp_size * spec.pp_size > ctx.settings.max_workers_per_engine:
             # An engine's workers are its TP x PP ranks: this bounds them before any is mapped.
             raise ResourceExhausted(
@@ -78,11 +87,12 @@ class Registrations:
                     f"max_engines={ctx.settings.max_engines}"
                 )
             engine = Engine(
-                spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version
-            )
+                spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version,
+                owner_uid=uid,
+            )  # fmt: skip
         started = time.monotonic()
         try:
-            memories = await self._map_all(spec.exports)
+            memories = await self._map_all(spec.exports, uid)
         except asyncio.CancelledError:
             self._cancelled(spec.engine_id, spec.tp_rank, "mapping its memory", started)
             raise
@@ -120,6 +130,12 @@ class Registrations:
         except BaseException:
             self._release(memories)
             raise
+        try:
+            # Another uid's registration may have created the engine while this one mapped.
+            self._check_owner(spec.engine_id, uid)
+        except PermissionDenied:
+            ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
+            raise
         worker = Worker(
             engine_id=spec.engine_id,
             tp_rank=spec.tp_rank,
@@ -155,14 +171,22 @@ class Registrations:
         )
         return self._registered(worker)
 
-    async def _map_all(self, exports: tuple[ExportSpec, ...]) -> list[MappedMemory]:
-        """Map every export on a worker thread (pre-faulting may take seconds); all or none."""
+    def _check_owner(self, engine_id: str, uid: int | None) -> None:
+        owner = self._ctx.registry.owner_conflict(engine_id, uid)
+        if owner is not None:
+            raise PermissionDenied(
+                f"engine_id: engine {engine_id!r} was registered by uid {owner}; uid {uid} may not add workers to it"
+            )
+
+    async def _map_all(self, exports: tuple[ExportSpec, ...], uid: int | None) -> list[MappedMemory]:
+        """Map every export on a worker thread (pre-faulting may take seconds); all or none.
+        ``uid``: the owner every shared-memory file must have (None: any)."""
 
         def map_all() -> list[MappedMemory]:
             mapped: list[MappedMemory] = []
             try:
                 for index, export in enumerate(exports):
-                    mapped.append(self.memory.map(export, f"exports[{index}]"))
+                    mapped.append(self.memory.map(export, f"exports[{index}]", uid))
             except BaseException:
                 for memory in mapped:
                     self.memory.release(memory)

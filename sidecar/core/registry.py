@@ -98,6 +98,9 @@ class Engine:
     engine_version: str
     workers: dict[tuple[int, int], Worker] = field(default_factory=dict)
     generation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # The uid whose engine-socket call registered the first worker: only it (and root or the
+    # daemon's uid) may act on the engine. None: registered in-process, anyone's.
+    owner_uid: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -225,6 +228,14 @@ class Registry:
         engine.generation = uuid.uuid4().hex[:12]
         if not engine.workers:
             del self.engines[worker.engine_id]
+
+    def owner_conflict(self, engine_id: str, uid: int | None) -> int | None:
+        """The uid that owns ``engine_id`` if it is not ``uid`` (None: ``uid`` may act on it; a
+        ``uid`` of None acts on every engine, see ``api.engine_auth.acting_uid``)."""
+        engine = self.engines.get(engine_id)
+        if uid is None or engine is None or engine.owner_uid is None or engine.owner_uid == uid:
+            return None
+        return engine.owner_uid
 
     def require_engine(self, engine_id: str, field_name: str, roles: tuple[int, ...] | None = None) -> Engine:
         """The complete engine ``engine_id``, or a NOT_FOUND / FAILED_PRECONDITION error."""

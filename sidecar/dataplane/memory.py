@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
@@ -115,9 +115,11 @@ class MemoryImporter:
         self._lock = threading.Lock()
         self.tombstoned_bytes = 0
 
-    def map(self, spec: ExportSpec, field_name: str) -> MappedMemory:
+    def map(self, spec: ExportSpec, field_name: str, owner_uid: int | None = None) -> MappedMemory:
+        """Map ``spec``; a DRAM file must belong to ``owner_uid`` unless it is None (the caller
+        may map any: see ``api.engine_auth``, "Whose engine")."""
         if spec.kind == "DRAM":
-            return self._map_shm(spec, field_name)
+            return self._map_shm(spec, field_name, owner_uid)
         if spec.kind == "VRAM":
             return _open_cuda_ipc(spec, field_name)
         raise InvalidArgument(f"{field_name}.kind", f"unsupported memory kind {spec.kind!r}")
@@ -144,7 +146,7 @@ class MemoryImporter:
         with self._lock:
             self.tombstoned_bytes += memory._map_length
 
-    def _map_shm(self, spec: ExportSpec, field_name: str) -> MappedMemory:
+    def _map_shm(self, spec: ExportSpec, field_name: str, owner_uid: int | None) -> MappedMemory:
         if not spec.shm_path:
             raise InvalidArgument(f"{field_name}.shm_path", "is required for DRAM exports")
         path = Path(spec.shm_path)
@@ -166,6 +168,12 @@ class MemoryImporter:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidArgument(f"{field_name}.shm_path", f"{spec.shm_path} is not a regular file")
+            if owner_uid is not None and info.st_uid != owner_uid:
+                # The daemon (often root) opens what its caller may not: map only the caller's own files.
+                raise PermissionDenied(
+                    f"{field_name}.shm_path: {spec.shm_path} belongs to uid {info.st_uid}, not to the caller "
+                    f"(uid {owner_uid}); an engine registers only shared memory it created"
+                )
             if spec.length == 0:
                 raise InvalidArgument(f"{field_name}.length", "must be > 0")
             if spec.owner_locked and _unlocked(fd):
