@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine_shim.client import SidecarClient, engine_channel
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
-from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from tests.support.processes import REPO, wait_until
 
 
@@ -184,6 +184,13 @@ def test_a_user_acts_only_on_its_own_engines_and_files(sidecars, workdir: Path) 
         assert line["owner_uid"] == owner and line["engine_id"] == "eng-a"
         status = _status(channel, as_user(owner))
         assert [engine.engine_id for engine in status.engines] == ["eng-a"]  # still registered, untouched
+        # Nor may it act as a peer here (PeerService on the engine socket is for debugging by root).
+        peer = peer_pb2_grpc.PeerServiceStub(channel)
+        release_as_peer = peer_pb2.PeerReleaseRequest(engine_id="eng-a", request_id="r1", reason="hostile")
+        why = _refused(peer.Release, release_as_peer, timeout=10, metadata=as_user(other))
+        assert f"PeerService on the engine socket is for the daemon's uid and root (debugging); uid {other}" in why
+        with engine_channel(side.socket) as root:
+            assert peer_pb2_grpc.PeerServiceStub(root).Release(release_as_peer, timeout=10)  # not found, not refused
 
         # Its owner acts on it; so does root (the daemon's uid), which can read every engine anyway.
         release = engine_pb2.ReleaseRequest(engine_id="eng-a", request_id="r1", reason="test")

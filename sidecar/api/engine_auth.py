@@ -22,7 +22,8 @@ engine's first worker owns it (``Engine.owner_uid``), and a worker's shared-memo
 that uid's own; a call of another uid naming the engine is PERMISSION_DENIED (``engine_owner_refused``
 log line). Without this, the root daemon would be a confused deputy: any allowed user could have it
 map another user's files, or pull into, release or unregister another user's engine. Root and the
-daemon's uid act on every engine (``acting_uid``).
+daemon's uid act on every engine (``acting_uid``). PeerService, served on the engine socket for
+debugging, is theirs alone: anyone else calling it there would act as a peer with no identity.
 
 Runs on the event loop thread.
 """
@@ -47,6 +48,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, encode_reply
+from kvsidecar.v1 import peer_pb2
 from sidecar.config import Settings
 from sidecar.errors import PermissionDenied
 from sidecar.logs import get_logger
@@ -55,6 +57,7 @@ log = get_logger("kvsidecar.server")
 
 # Services reachable on the engine socket without a token: probes and `grpcurl list/describe`.
 OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -194,6 +197,18 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = next((str(value) for key, value in details.invocation_metadata or () if key == TOKEN_KEY), "")
         caller = self._tokens.verify(token) if token else None
+        if caller is not None and method.startswith(PEER_SERVICE) and caller.uid not in (0, os.getuid()):
+            # PeerService is here for debugging by the daemon's user. Anyone else calling it here
+            # would act as a peer with no identity to check (mTLS is on the peer port).
+            log.warning("engine_call_refused", method=method, uid=caller.uid, pid=caller.pid,
+                        reason="PeerService on the engine socket")  # fmt: skip
+            return _refusing(
+                handler,
+                PermissionDenied(
+                    f"{method}: PeerService on the engine socket is for the daemon's uid and root (debugging); "
+                    f"uid {caller.uid} may call only EngineService here"
+                ),
+            )
         if caller is not None:
             CALLER.set(caller)
             return handler

@@ -32,10 +32,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2_grpc
 from sidecar import __version__
 from sidecar.api.engine import EngineServicer
-from sidecar.api.engine_auth import CredentialSocket, SessionTokens, TokenInterceptor
+from sidecar.api.engine_auth import PEER_SERVICE, CredentialSocket, SessionTokens, TokenInterceptor
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.peer import PeerServicer
 from sidecar.app.liveness import LivenessMonitor
@@ -50,7 +50,6 @@ log = get_logger("kvsidecar.server")
 _PR_SET_PDEATHSIG = 1
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
-PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
 
 def _server_options(settings: Settings) -> list[tuple[str, Any]]:
