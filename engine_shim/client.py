@@ -65,6 +65,8 @@ def remote(
     block_ids: BlockIdsLike | None = None,
     tp_size: int = 0,
     num_tokens: int = 0,
+    voucher: bytes = b"",
+    vouched_until_ms: int = 0,
 ) -> engine_pb2.RemoteBlocks:
     return engine_pb2.RemoteBlocks(
         address=address,
@@ -73,6 +75,8 @@ def remote(
         block_ids=grouped(block_ids),
         tp_size=tp_size,
         num_tokens=num_tokens,
+        voucher=voucher,
+        vouched_until_ms=vouched_until_ms,
     )
 
 
@@ -229,6 +233,7 @@ class SidecarClient:
         num_tokens: int = 0,
         lease_seconds: float = 0.0,
         mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
+        vouched_until_ms: int = 0,
     ) -> engine_pb2.SubmitBlocksRequest:
         return engine_pb2.SubmitBlocksRequest(
             engine_id=engine_id,
@@ -238,6 +243,7 @@ class SidecarClient:
             num_tokens=num_tokens,
             lease_seconds=lease_seconds,
             mode=mode,  # type: ignore[arg-type]
+            vouched_until_ms=vouched_until_ms,
         )
 
     def submit_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.SubmitBlocksResponse:

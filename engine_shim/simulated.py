@@ -217,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     {"op": "fill_tokens", "blocks": [..], "num_tokens", "seed"} | {"op": "clear"} |
     {"op": "verify_tokens", "blocks": [..], "first_token", "num_tokens", "seed"} (replies
     checked_tokens, bad_count, bad: [[rank, layer, first bad token, count]], tail_dirty) |
-    {"op": "submit", "request_id", "blocks": [[..]], "num_tokens"?, "transfer_id"?, "lease_seconds"?, "mode"?} |
-    {"op": "pull", "request_id", "blocks": [[..]], "remote": {address, engine_id, request_id, blocks}} |
+    {"op": "submit", "request_id", "blocks": [[..]], "num_tokens"?, "transfer_id"?, "lease_seconds"?, "mode"?,
+     "vouched_until_ms"?} (replies push_matched, voucher_key (hex), voucher_seconds) |
+    {"op": "pull", "request_id", "blocks": [[..]], "remote": {address, engine_id, request_id, blocks, voucher?
+     (hex), vouched_until_ms?}} |
     {"op": "expect_push", "request_id", "blocks": [[..]], "remote": {...}, "timeout_seconds"?} |
     {"op": "hold", "request_id", "blocks": [[..]], "conversation_id"?, "ttl_seconds"?, "block_hashes"?: [hex]} |
     {"op": "query", "address"?, "conversation_id"?, "request_id"?, "block_hashes"?: [hex], "known_peers"?,
@@ -320,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                         transfer_id=command.get("transfer_id", ""),
                         lease_seconds=command.get("lease_seconds", 0.0),
                         mode=command.get("mode", 0),
+                        vouched_until_ms=command.get("vouched_until_ms", 0),
                     )
-                    result = {"push_matched": response.push_matched}
+                    result = {
+                        "push_matched": response.push_matched,
+                        "voucher_key": response.voucher_key.hex(),
+                        "voucher_seconds": response.voucher_seconds,
+                    }
                 elif op in ("pull", "expect_push"):
                     spec = command["remote"]
                     target = remote(
@@ -331,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                         _blocks(spec.get("blocks", [])),
                         spec.get("tp_size", 0),
                         spec.get("num_tokens", 0),
+                        bytes.fromhex(spec.get("voucher", "")),
+                        spec.get("vouched_until_ms", 0),
                     )
                     if op == "pull":
                         client.pull(

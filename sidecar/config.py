@@ -162,6 +162,16 @@ class Settings(BaseSettings):
     # A producer may be asked about a request before its own SubmitBlocks reached it; "unknown"
     # counts as "lost" after this long (or at once if the producer had confirmed it before).
     producer_unknown_grace_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
+    # Pull vouchers (kvsidecar.voucher): how long a producer engine's voucher may be valid. A
+    # consumer holding a valid one reads without first confirming the lease with the producer's
+    # sidecar; the producer holds vouched blocks that long even if the request is released
+    # meanwhile (unless a consumer read them). 0: off (engines get no key, and a consumer ignores
+    # vouchers).
+    voucher_seconds: float = Field(default=10.0, ge=0.0, le=3600.0)
+    # Allowance for the two nodes' wall clocks (vouchers carry Unix times): the producer holds this
+    # much longer, a consumer stops using a voucher this much earlier. Safe while the consumer's
+    # clock is behind the producer's by less than twice this.
+    voucher_clock_skew_seconds: float = Field(default=0.5, ge=0.0, le=600.0)
     # A peer's Handshake, PushReg or Heartbeat naming an engine of ours that has not registered yet
     # (starting or restarting) waits this long for it before answering as before; capped at 80 % of
     # peer_call_timeout_seconds so the answer beats the caller's deadline. 0: fail at once.

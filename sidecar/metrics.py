@@ -101,6 +101,14 @@ class SidecarMetrics:
             registry=r,
         )
         self.leases = Gauge("kvsidecar_leases", "Producer leases currently held.", registry=r)
+        self.pull_reads = Counter(
+            "kvsidecar_pull_reads_total",
+            "Pull READs posted, by what vouched that the producer still held the blocks: voucher (the "
+            "producer engine's, kvsidecar.voucher: no call to the producer) or producer (its sidecar "
+            "confirmed, before or during the pull).",
+            ["checked_by"],
+            registry=r,
+        )
         self.leases_expired = Counter(
             "kvsidecar_leases_expired_total", "Producer leases that ran out before the consumer finished.", registry=r
         )

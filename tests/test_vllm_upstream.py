@@ -139,6 +139,11 @@ class Stack:
         text = scrape(f"http://127.0.0.1:{self.metrics[sidecar]}/metrics")
         return series_sum(text, "kvsidecar_transfer_bytes_total", op)
 
+    def vouched_reads(self) -> float:
+        """D's sidecar's pull READs that P's voucher vouched for (no confirming call to P)."""
+        text = scrape(f"http://127.0.0.1:{self.metrics['b']}/metrics")
+        return series_sum(text, "kvsidecar_pull_reads_total", 'checked_by="voucher"')
+
     def decode_sources(self) -> tuple[float, float]:
         """D's prompt tokens loaded from outside and computed (vllm:prompt_tokens_by_source)."""
         text, name = scrape(f"{self.decode.url}/metrics"), "vllm:prompt_tokens_by_source_total"
@@ -261,7 +266,11 @@ def _multiturn_proxy(stack: Stack, mode: str, turns: int = 4) -> None:
 
 
 def test_toy_proxy_pull(stack: Stack) -> None:
+    vouched_before = stack.vouched_reads()
     _toy_proxy(stack, "pull")
+    # P's shim vouched for its blocks (kvsidecar.voucher) once its sidecar's first answer gave it
+    # the key: D's sidecar read the second prompt's KV without asking P's sidecar first.
+    assert stack.vouched_reads() > vouched_before, "no pull read on P's voucher"
     # The shim capped the shm queue busy loop in both of D's engine processes (engine_spin), so an
     # engine that only waits for KV leaves the cores to the sidecar.
     capped = [

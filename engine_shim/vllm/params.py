@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine_shim.vllm.config import BlockIds
+from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
 
 
 def flat(block_ids: Sequence[Sequence[int]]) -> list[int]:
@@ -35,3 +36,12 @@ def peer_address(params: Mapping[str, Any]) -> str | None:
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def voucher_of(params: Mapping[str, Any]) -> tuple[bytes, int]:
+    """The producer's pull voucher in ``params`` (kvsidecar.voucher) as (voucher, until_ms);
+    (b"", 0) if there is none or it is malformed (the sidecar then confirms with the producer)."""
+    try:
+        return bytes.fromhex(str(params.get(PARAM_VOUCHER) or "")), int(params.get(PARAM_VOUCHED_UNTIL_MS) or 0)
+    except (TypeError, ValueError):
+        return b"", 0

@@ -34,8 +34,10 @@ from engine_shim.client import Future, SidecarClient, remote
 from engine_shim.vllm import multiturn
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
-from engine_shim.vllm.params import flat, grouped, peer_address, split_address
+from engine_shim.vllm.params import flat, grouped, peer_address, split_address, voucher_of
 from engine_shim.vllm.stats import SidecarKVConnectorStats
+from kvsidecar import voucher
+from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,6 +140,13 @@ class SchedulerSide:
         # holds the KV; moved into _producer_lost on the scheduler thread (_take_lost_news).
         self._lost_news: collections.deque[str] = collections.deque()
         self._sends: set[str] = set()  # producer requests whose blocks the sidecar holds
+        # Pull vouchers (kvsidecar.voucher): the key and terms from the sidecar's last SubmitBlocks
+        # answer (set by gRPC callback threads; b"" until the first answer, or when vouchers are off),
+        # and until when (monotonic) each vouched request's blocks must stay held even if its
+        # submission fails: a consumer may read them without asking the sidecar.
+        self._voucher_terms: tuple[bytes, float, float] = (b"", 0.0, 0.0)  # key, seconds, skew
+        self._vouched_until: dict[str, float] = {}
+        self._held_failures: list[tuple[str, str]] = []  # (request id, reason) of vouched sends that failed
         self._push_sends: set[str] = set()  # the subset a consumer's registration makes us WRITE
         # Announced to the workers in the next metadata, with the time.monotonic() of the request
         # call (CLOCK_MONOTONIC is node-wide, so workers compare it with their stream losses).
@@ -225,8 +234,12 @@ class SchedulerSide:
         exc = future.exception()
         if exc is not None:
             _, text = _rpc_error(exc)
-            # The blocks were never offered (or the sidecar is gone): vLLM may free them.
+            # The blocks were never offered (or the sidecar is gone): vLLM may free them (a vouched
+            # request's only once its voucher ran out, see build_connector_meta).
             self._failures.append(("send", request_id, f"{what} failed: {text}"))
+        elif what == "SubmitBlocks":
+            response = future.result()
+            self._voucher_terms = (response.voucher_key, response.voucher_seconds, response.voucher_clock_skew_seconds)
 
     # vLLM scheduler thread ---------------------------------------------------------------------
 
@@ -359,6 +372,7 @@ class SchedulerSide:
             self._fetch_nothing(request_id, params, "nothing to load")
             return
         local = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+        pass_voucher, until_ms = voucher_of(params) if mode == "pull" else (b"", 0)
         target = remote(
             address,
             str(engine),
@@ -366,6 +380,8 @@ class SchedulerSide:
             grouped(params.get("remote_block_ids")) if mode == "pull" else None,
             int(params.get("tp_size") or 0),
             int(params.get("remote_num_tokens") or 0),
+            pass_voucher,
+            until_ms,
         )
         # The Pull / ExpectPush also ends the sidecar's keep-alive of the request.
         client = self.client
@@ -486,6 +502,8 @@ class SchedulerSide:
             return False, None
         mode = self._mode(params)
         transfer_id = str(params.get("transfer_id") or "")
+        key, seconds, skew = self._voucher_terms
+        until_ms = int((time.time() + seconds) * 1000) if key else 0
         future = self.client.submit_blocks_async(
             self.engine_id,
             request_id,
@@ -494,6 +512,7 @@ class SchedulerSide:
             num_tokens=request.num_computed_tokens,
             lease_seconds=self.config.lease_seconds,
             mode=MODES[mode],
+            vouched_until_ms=until_ms,
         )
         future.add_done_callback(lambda f: self._on_submit_done(request_id, f))
         self._sends.add(request_id)
@@ -517,6 +536,11 @@ class SchedulerSide:
         }
         if transfer_id:
             result["transfer_id"] = transfer_id
+        if until_ms:
+            # Consumers may read these blocks without asking our sidecar until then (kvsidecar.voucher).
+            result[PARAM_VOUCHER] = voucher.sign(key, self.engine_id, request_id, blocks, until_ms).hex()
+            result[PARAM_VOUCHED_UNTIL_MS] = until_ms
+            self._vouched_until[request_id] = time.monotonic() + seconds + skew
         if params.get("conversation_id"):  # multi-turn hook: D's hold is indexed by it
             result["conversation_id"] = params["conversation_id"]
         return True, result
@@ -564,8 +588,17 @@ class SchedulerSide:
         if self._new_sends:
             meta.send_started, self._new_sends = self._new_sends, {}
         failures = self._failures
+        now = time.monotonic()
+        held, self._held_failures = self._held_failures, []
+        for request_id, reason in held:
+            failures.append(("send", request_id, reason))
         while failures:
             kind, request_id, reason = failures.popleft()
+            if kind == "send" and self._vouched_until.get(request_id, 0.0) > now:
+                # A consumer may still read these blocks on the strength of our voucher: keep them
+                # until it ran out (its submission failed, so our sidecar cannot hold them for us).
+                self._held_failures.append((request_id, reason))
+                continue
             if kind == "recv":
                 if self._receives.pop(request_id, None) is not None:
                     meta.recv_failed[request_id] = reason
@@ -575,6 +608,7 @@ class SchedulerSide:
             elif request_id in self._sends:
                 self._sends.discard(request_id)
                 self._push_sends.discard(request_id)
+                self._vouched_until.pop(request_id, None)
                 meta.send_abandoned[request_id] = reason
                 logger.warning("SidecarConnector: %s; freeing the blocks of %s", reason, request_id)
         return meta
@@ -589,6 +623,7 @@ class SchedulerSide:
             for request_id in connector_output.finished_sending:
                 self._sends.discard(request_id)
                 self._push_sends.discard(request_id)
+                self._vouched_until.pop(request_id, None)
 
     def take_stats(self) -> SidecarKVConnectorStats | None:
         """This interval's multi-turn lookup outcomes for vLLM's stat loggers (None: nothing new)."""
@@ -604,4 +639,4 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping while failures wait for delivery or pushed blocks wait for their
         # WRITEs (vLLM's push semantics); pulled blocks are freed at the next step, as in vLLM.
-        return bool(self._failures or self._push_sends)
+        return bool(self._failures or self._held_failures or self._push_sends)

@@ -127,7 +127,7 @@ class UnregisterWorkerResponse(_message.Message):
     def __init__(self, requests_released: _Optional[int] = ...) -> None: ...
 
 class SubmitBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "transfer_id", "block_ids", "num_tokens", "lease_seconds", "mode")
+    __slots__ = ("engine_id", "request_id", "transfer_id", "block_ids", "num_tokens", "lease_seconds", "mode", "vouched_until_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class SubmitBlocksRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    VOUCHED_UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     transfer_id: str
@@ -142,31 +143,42 @@ class SubmitBlocksRequest(_message.Message):
     num_tokens: int
     lease_seconds: float
     mode: _common_pb2.TransferMode
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ...) -> None: ...
+    vouched_until_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., num_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ..., vouched_until_ms: _Optional[int] = ...) -> None: ...
 
 class SubmitBlocksResponse(_message.Message):
-    __slots__ = ("lease_seconds", "push_matched")
+    __slots__ = ("lease_seconds", "push_matched", "voucher_key", "voucher_seconds", "voucher_clock_skew_seconds")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_KEY_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_CLOCK_SKEW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     push_matched: bool
-    def __init__(self, lease_seconds: _Optional[float] = ..., push_matched: _Optional[bool] = ...) -> None: ...
+    voucher_key: bytes
+    voucher_seconds: float
+    voucher_clock_skew_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ..., push_matched: _Optional[bool] = ..., voucher_key: _Optional[bytes] = ..., voucher_seconds: _Optional[float] = ..., voucher_clock_skew_seconds: _Optional[float] = ...) -> None: ...
 
 class RemoteBlocks(_message.Message):
-    __slots__ = ("address", "engine_id", "request_id", "block_ids", "tp_size", "num_tokens")
+    __slots__ = ("address", "engine_id", "request_id", "block_ids", "tp_size", "num_tokens", "voucher", "vouched_until_ms")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_FIELD_NUMBER: _ClassVar[int]
+    VOUCHED_UNTIL_MS_FIELD_NUMBER: _ClassVar[int]
     address: str
     engine_id: str
     request_id: str
     block_ids: _common_pb2.GroupedBlockIds
     tp_size: int
     num_tokens: int
-    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., tp_size: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    voucher: bytes
+    vouched_until_ms: int
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., tp_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., voucher: _Optional[bytes] = ..., vouched_until_ms: _Optional[int] = ...) -> None: ...
 
 class ExpectPushRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "transfer_id", "block_ids", "remote", "timeout_seconds")

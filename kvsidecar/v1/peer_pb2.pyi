@@ -77,7 +77,7 @@ class WorkerDescriptor(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
-    __slots__ = ("engine_id", "role", "tp_size", "pp_size", "compatibility_hash", "engine_version", "workers", "generation")
+    __slots__ = ("engine_id", "role", "tp_size", "pp_size", "compatibility_hash", "engine_version", "workers", "generation", "voucher_key")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class EngineDescriptor(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_KEY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: _common_pb2.EngineRole
     tp_size: int
@@ -94,7 +95,8 @@ class EngineDescriptor(_message.Message):
     engine_version: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerDescriptor]
     generation: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., engine_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerDescriptor, _Mapping]]] = ..., generation: _Optional[str] = ...) -> None: ...
+    voucher_key: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., engine_version: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerDescriptor, _Mapping]]] = ..., generation: _Optional[str] = ..., voucher_key: _Optional[bytes] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("caller", "engine_id", "compatibility_hash")

@@ -15,7 +15,10 @@ instead of leaving it to time out. Runs on the event loop thread.
 No block goes back to the engine while a transfer may still land in it:
 - pull: a READ starts only after a heartbeat found the request at the producer, and must end by
   that heartbeat's send time + the extension the producer granted (the transport fails a READ
-  seen DONE later), because the producer may reuse the blocks after that (see producer.py);
+  seen DONE later), because the producer may reuse the blocks after that (see producer.py); or,
+  with the producer engine's voucher (``kvsidecar.voucher``: these blocks of this request, held
+  until a time), without a heartbeat, and it must end by the voucher's time less the clock skew
+  allowance;
 - push: the producer's WRITEs are one-sided. A release or watchdog first asks the producer to
   drop the request and waits (bounded) for its WRITEs to end. If the producer cannot answer (hung,
   stopped) or the bound passes, the blocks' pages are fenced (made read-only in this sidecar,
@@ -35,6 +38,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvsidecar import voucher
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.config import split_host_port
 from sidecar.core import validation
@@ -74,6 +78,8 @@ class ForeignBlocks(FailedPrecondition):
 
 
 RequestKey = tuple[str, str]  # (engine_id, request_id)
+# A READ is posted only with at least this long left before the producer may reuse the blocks.
+_MIN_READ_WINDOW = 0.05
 
 
 @dataclass
@@ -437,8 +443,10 @@ class ConsumerSide:
             return
         give_up = time.monotonic() + timeout
         try:
+            cached = ctx.peers.cached_view(address, pending.remote.engine_id)
+            vouched = cached is not None and self._vouched_until(pending, cached, remote_blocks) > 0
             confirmed = self._confirmed.get(pending.key, 0.0) > time.monotonic()
-            if not confirmed or self._verified.get(pending.key) != remote_blocks:
+            if not vouched and (not confirmed or self._verified.get(pending.key) != remote_blocks):
                 # The producer frees its blocks when its lease ends; reading after that would copy
                 # whatever request now owns them. Confirm (and extend) the lease first, and that the
                 # blocks we name are the request's own. This call also reveals a restarted producer
@@ -476,13 +484,20 @@ class ConsumerSide:
                 if self._checks_integrity(pending):
                     # Before the READ: its notification lets the producer free the blocks.
                     expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
-                if self._readable.get(pending.key, 0.0) - time.monotonic() < 0.05:
-                    await self._confirm_held(pending)  # the handshake took most of the window
+                vouched_until = self._vouched_until(pending, view, remote_blocks)
+                if vouched_until:
+                    what = "the producer engine's voucher holds the blocks: reading without asking"
+                    ctx.trace.event("consumer", pending.engine_id, pending.request_id, "vouched", what)
+                elif self._readable.get(pending.key, 0.0) - time.monotonic() < _MIN_READ_WINDOW:
+                    # Not confirmed yet (a voucher that does not verify against this view), or the
+                    # handshake took most of the window.
+                    await self._confirm_held(pending)
                     if self.requests.get(pending.key) is not pending:
                         return  # a heartbeat round failed it meanwhile
+                ctx.metrics.pull_reads.labels(checked_by="voucher" if vouched_until else "producer").inc()
                 # The READ must end while the producer still holds the blocks for certain.
                 now = time.monotonic()
-                window = min(give_up, self._readable.get(pending.key, 0.0)) - now
+                window = min(give_up, vouched_until or self._readable.get(pending.key, 0.0)) - now
                 pending.transferring = True
                 outcome = await ctx.dataplane.run(
                     TransferJob(
@@ -548,6 +563,22 @@ class ConsumerSide:
             await ctx.peers.forget(address, "transfer from it failed")
         self._fail(pending, f"READ failed: {outcome.error}", reason_label="transfer")
         await self._tell_producer(pending, consumed=False, reason=outcome.error)
+
+    def _vouched_until(self, pending: ConsumerRequest, view: EngineView, remote_blocks: BlockIds) -> float:
+        """Until when (monotonic) the pull's voucher lets it READ without asking the producer, or 0
+        if it has none that verifies against ``view`` with time to spare (kvsidecar.voucher)."""
+        remote, settings = pending.remote, self._ctx.settings
+        if settings.voucher_seconds <= 0 or not remote.voucher or not view.voucher_key:
+            return 0.0
+        if not voucher.verify(
+            view.voucher_key, remote.voucher, view.engine_id, remote.request_id, remote_blocks, remote.vouched_until_ms
+        ):
+            # Forged, altered (other blocks), or signed under an earlier registration of the engine.
+            log.info("pull_voucher_refused", engine_id=pending.engine_id, request_id=pending.request_id,
+                     producer=view.engine_id, generation=view.generation)  # fmt: skip
+            return 0.0
+        remaining = remote.vouched_until_ms / 1000.0 - time.time() - settings.voucher_clock_skew_seconds
+        return time.monotonic() + remaining if remaining >= _MIN_READ_WINDOW else 0.0
 
     async def _producer_digests(
         self,

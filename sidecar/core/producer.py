@@ -17,7 +17,9 @@ a request released by its engine (or whose hold TTL ends) while a consumer may s
 not handed back before then: it is ``closing`` (heartbeats answer "unknown", so no new READ
 starts) until its consumers' notifications arrive or ``readable_until`` passes. The lease itself
 always ends after ``readable_until``. This costs nothing on the hot path (no extra call per READ);
-only a release that races a READ waits, for at most one lease extension.
+only a release that races a READ waits, for at most one lease extension. A submission the engine
+vouched for (``kvsidecar.voucher``: consumers may READ without a heartbeat until the voucher's
+time) moves ``readable_until`` and the lease to that time + the clock skew allowance at once.
 
 Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
 
@@ -132,6 +134,8 @@ class ProducerSide:
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
         lease = validation.duration(request.lease_seconds, "lease_seconds", ctx.settings.lease_seconds)
+        if request.vouched_until_ms and not 0 < request.vouched_until_ms / 1000.0 - time.time() <= 86400:
+            raise InvalidArgument("vouched_until_ms", "must be a Unix time in milliseconds within the next 24 hours")
         if request.mode not in common_pb2.TransferMode.values():
             raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
         engine = ctx.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
@@ -141,7 +145,9 @@ class ProducerSide:
             if existing.block_ids != blocks:
                 raise FailedPrecondition(f"request {request.request_id!r} was already submitted with other blocks")
             self.leases.extend(existing.key, time.monotonic() + lease)
-            return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=existing.writing)
+            if request.vouched_until_ms > 0:
+                self._hold_vouched(existing, request.vouched_until_ms)
+            return self._submitted(engine, lease, existing.writing)
         ctx.tasks.check_capacity(len(self.requests))
         pending = ProducerRequest(
             engine_id=request.engine_id,
@@ -153,6 +159,8 @@ class ProducerSide:
             lease_seconds=lease,
         )
         self._add(pending)
+        if request.vouched_until_ms > 0:
+            self._hold_vouched(pending, request.vouched_until_ms)
         ctx.trace.event(
             "producer",
             pending.engine_id,
@@ -173,7 +181,29 @@ class ProducerSide:
                 matched = True
         self._update_gauges()
         log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
-        return engine_pb2.SubmitBlocksResponse(lease_seconds=lease, push_matched=matched)
+        return self._submitted(engine, lease, matched)
+
+    def _submitted(self, engine: Engine, lease: float, matched: bool) -> engine_pb2.SubmitBlocksResponse:
+        seconds = self._ctx.settings.voucher_seconds
+        return engine_pb2.SubmitBlocksResponse(
+            lease_seconds=lease,
+            push_matched=matched,
+            voucher_key=engine.voucher_key if seconds > 0 else b"",
+            voucher_seconds=seconds,
+            voucher_clock_skew_seconds=self._ctx.settings.voucher_clock_skew_seconds,
+        )
+
+    def _hold_vouched(self, pending: ProducerRequest, until_ms: int) -> None:
+        """The engine vouched for the blocks until ``until_ms`` (Unix ms): a consumer may READ them
+        until then without asking, so neither a release nor the lease frees them earlier unless a
+        READ notified (kvsidecar.voucher). Its validity is the engine's own choice about its own
+        blocks (``submit`` bounds it)."""
+        remaining = until_ms / 1000.0 - time.time()
+        if remaining <= -self._ctx.settings.voucher_clock_skew_seconds:
+            return
+        until = time.monotonic() + remaining + self._ctx.settings.voucher_clock_skew_seconds
+        pending.readable_until = max(pending.readable_until, until)
+        self.leases.extend(pending.key, until)
 
     async def hold(self, request: engine_pb2.HoldBlocksRequest) -> engine_pb2.HoldBlocksResponse:
         """Hold a finished request's blocks for a TTL so a peer can pull them (multi-turn).

@@ -7,9 +7,11 @@ event loop thread.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 from dataclasses import dataclass, field
 
+from kvsidecar import voucher
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.dataplane.contract import RemoteAgent
 from sidecar.dataplane.memory import MappedMemory
@@ -98,6 +100,9 @@ class Engine:
     engine_version: str
     workers: dict[tuple[int, int], Worker] = field(default_factory=dict)
     generation: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Signs and checks the engine's pull vouchers (kvsidecar.voucher); new with every generation,
+    # so a voucher from before a (re-)registration verifies nowhere.
+    voucher_key: bytes = field(default_factory=lambda: secrets.token_bytes(voucher.KEY_BYTES))
     # The uid whose engine-socket call registered the first worker: only it (and root or the
     # daemon's uid) may act on the engine. None: registered in-process, anyone's.
     owner_uid: int | None = None
@@ -105,6 +110,11 @@ class Engine:
     @property
     def complete(self) -> bool:
         return len(self.workers) == self.tp_size * self.pp_size
+
+    def new_generation(self) -> None:
+        """A worker came or went: peers' cached views and vouchers of the old one are stale."""
+        self.generation = uuid.uuid4().hex[:12]
+        self.voucher_key = secrets.token_bytes(voucher.KEY_BYTES)
 
     @property
     def num_groups(self) -> int:
@@ -139,6 +149,7 @@ class Engine:
             engine_version=self.engine_version,
             workers=[worker.descriptor() for worker in self.ordered_workers()],
             generation=self.generation,
+            voucher_key=self.voucher_key,
         )
 
     def view(self, address: str, sidecar_id: str) -> EngineView:
@@ -155,6 +166,7 @@ class Engine:
                 WorkerView(worker.layout, RemoteAgent(worker.agent_name, worker.agent_metadata), worker.mem_type)
                 for worker in self.ordered_workers()
             ),
+            voucher_key=self.voucher_key,
         )
 
 
@@ -185,7 +197,7 @@ class Registry:
 
     def add(self, engine: Engine, worker: Worker) -> None:
         engine.workers[(worker.pp_rank, worker.tp_rank)] = worker
-        engine.generation = uuid.uuid4().hex[:12]
+        engine.new_generation()
         self.engines[engine.engine_id] = engine
         self._by_agent[worker.agent_name] = worker
         if engine.complete:
@@ -225,7 +237,7 @@ class Registry:
         if engine is None:
             return
         engine.workers.pop((worker.pp_rank, worker.tp_rank), None)
-        engine.generation = uuid.uuid4().hex[:12]
+        engine.new_generation()
         if not engine.workers:
             del self.engines[worker.engine_id]
 

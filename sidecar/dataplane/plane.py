@@ -89,6 +89,8 @@ class EngineView:
     compatibility_hash: str
     generation: str
     workers: tuple[WorkerView, ...]
+    # Checks the engine's pull vouchers for this generation (kvsidecar.voucher); b"" if unknown.
+    voucher_key: bytes = b""
 
     def worker(self, tp_rank: int, pp_rank: int) -> WorkerView:
         for worker in self.workers:
@@ -164,6 +166,7 @@ def view_from_descriptor(address: str, sidecar_id: str, engine: peer_pb2.EngineD
         compatibility_hash=engine.compatibility_hash,
         generation=engine.generation,
         workers=tuple(workers),
+        voucher_key=engine.voucher_key,
     )
 
 

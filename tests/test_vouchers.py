@@ -1,0 +1,137 @@
+"""Pull vouchers (kvsidecar.voucher): a consumer's sidecar holding the producer engine's valid voucher
+reads without first confirming the lease with the producer's sidecar; anything it cannot verify
+(forged, other blocks, another key, expired) takes the confirming path with its checks; and the
+producer never hands vouched blocks back before the voucher's time, even if its engine releases
+them. Real sidecars, simulated engines, real NIXL and shared memory."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from engine_shim.vllm.params import voucher_of
+from kvsidecar import voucher
+from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
+from tests.support.processes import EngineProcess
+from tests.test_pull import kv
+from tests.test_trace import trace_over_socket
+
+
+def _vouched_submit(
+    producer: EngineProcess, request_id: str, blocks: list[int], seconds: float = 10.0
+) -> tuple[bytes, int]:
+    """Submit as the vLLM shim does once it knows the key: the key comes with a first answer."""
+    key = bytes.fromhex(producer.command("submit", request_id=f"{request_id}-key", blocks=[[63]])["voucher_key"])
+    assert producer.command("release", request_id=f"{request_id}-key")["ok"]
+    until_ms = int((time.time() + seconds) * 1000)
+    reply = producer.command("submit", request_id=request_id, blocks=[blocks], vouched_until_ms=until_ms)
+    assert reply["ok"] and bytes.fromhex(reply["voucher_key"]) == key, reply
+    return key, until_ms
+
+
+def _pull(consumer: EngineProcess, producer: EngineProcess, request_id: str, local: list[int], p_request: str,
+          p_blocks: list[int], signed: bytes = b"", until_ms: int = 0) -> dict:  # fmt: skip
+    remote = {"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": p_request,
+              "blocks": [p_blocks], "voucher": signed.hex(), "vouched_until_ms": until_ms}  # fmt: skip
+    reply = consumer.command("pull", request_id=request_id, blocks=[local], remote=remote)
+    assert reply["ok"], reply
+    return consumer.wait_event(request_id, 15)[0]
+
+
+def _consumer_kinds(side, request_id: str) -> list[str]:
+    mine = trace_over_socket(side, request_id=request_id).sidecars[0]
+    (timeline,) = [t for t in mine.requests if t.side == "consumer"]
+    return [event.kind for event in timeline.events]
+
+
+@pytest.fixture
+def pair(sidecars, engines):
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = engines(p_side, "P", "producer")
+    consumer = engines(d_side, "D", "consumer")
+    assert producer.command("fill", blocks=list(range(64)), seed=5)["ok"]
+    # A first pull handshakes (the consumer learns the producer's key with it).
+    assert producer.command("submit", request_id="warm", blocks=[[1]])["ok"]
+    assert _pull(consumer, producer, "warm-d", [40], "warm", [1])["event"] == "FINISHED_RECEIVING"
+    return producer, consumer, p_side, d_side
+
+
+def test_a_vouched_pull_reads_without_asking_the_producer(pair) -> None:
+    producer, consumer, p_side, d_side = pair
+    key, until_ms = _vouched_submit(producer, "v1", [2, 3, 4])
+    signed = voucher.sign(key, "P", "v1", [[2, 3, 4]], until_ms)
+    assert _pull(consumer, producer, "v1-d", [10, 11, 12], "v1", [2, 3, 4], signed, until_ms)["event"] == (
+        "FINISHED_RECEIVING"
+    )
+    assert producer.wait_event("v1", 10)[0]["event"] == "FINISHED_SENDING"  # the READ's notification
+    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
+    assert np.array_equal(p_kv[:, [2, 3, 4]], d_kv[:, [10, 11, 12]])
+    kinds = _consumer_kinds(d_side, "v1-d")
+    assert "vouched" in kinds and "confirmed" not in kinds, kinds
+    # The producer's sidecar was not asked: no heartbeat reached it for this request.
+    (p_part,) = [
+        part
+        for part in trace_over_socket(p_side, request_id="v1").sidecars
+        if part.sidecar.sidecar_id == p_side.sidecar_id
+    ]
+    (p_timeline,) = [t for t in p_part.requests if t.side == "producer"]
+    assert "heartbeat" not in [event.kind for event in p_timeline.events]
+
+
+def test_what_does_not_verify_takes_the_confirming_path(pair) -> None:
+    producer, consumer, _, d_side = pair
+    key, until_ms = _vouched_submit(producer, "v2", [5, 6])
+    # The pull names other blocks than the voucher (another request's KV): the voucher does not
+    # verify, the producer's check refuses them, and nothing is read.
+    signed = voucher.sign(key, "P", "v2", [[5, 6]], until_ms)
+    event = _pull(consumer, producer, "v2-foreign", [30, 31], "v2", [20, 21], signed, until_ms)
+    assert event["event"] == "LOAD_FAILED" and "did not submit the blocks" in event["reason"], event
+    assert not kv(consumer.buffers[0], 2, 64, 4096)[:, [30, 31]].any()
+    # A voucher under another key, or one that ran out, or a longer validity than was signed:
+    # confirmed with the producer, and then read.
+    for name, signed, until in (
+        ("forged", voucher.sign(b"k" * 32, "P", "v2", [[5, 6]], until_ms), until_ms),
+        ("stretched", voucher.sign(key, "P", "v2", [[5, 6]], until_ms), until_ms + 60_000),
+        ("expired", voucher.sign(key, "P", "v2", [[5, 6]], int(time.time() * 1000)), int(time.time() * 1000)),
+    ):
+        assert producer.command("submit", request_id=f"v2-{name}", blocks=[[5, 6]])["ok"]
+        request = f"v2-{name}-d"
+        signed = voucher.sign(key, "P", f"v2-{name}", [[5, 6]], until) if name == "expired" else signed
+        assert _pull(consumer, producer, request, [32, 33], f"v2-{name}", [5, 6], signed, until)["event"] == (
+            "FINISHED_RECEIVING"
+        ), name
+        kinds = _consumer_kinds(d_side, request)
+        assert "confirmed" in kinds and "vouched" not in kinds, (name, kinds)
+
+
+def test_the_producer_holds_vouched_blocks_through_a_release_until_the_voucher_ends(pair) -> None:
+    producer, consumer, _, d_side = pair
+    key, until_ms = _vouched_submit(producer, "v3", [7, 8], seconds=2.0)
+    released = time.monotonic()
+    assert producer.command("release", request_id="v3")["ok"]
+    # Its engine released it, but a consumer may still read on the voucher: P keeps the blocks.
+    signed = voucher.sign(key, "P", "v3", [[7, 8]], until_ms)
+    assert _pull(consumer, producer, "v3-d", [34, 35], "v3", [7, 8], signed, until_ms)["event"] == "FINISHED_RECEIVING"
+    assert "vouched" in _consumer_kinds(d_side, "v3-d")
+    # Freed after the READ notified (or, without a reader, once the voucher and the skew passed).
+    assert producer.wait_event("v3", 10)[0]["event"] == "FINISHED_SENDING"
+    key, until_ms = _vouched_submit(producer, "v4", [9], seconds=1.0)
+    released = time.monotonic()
+    assert producer.command("release", request_id="v4")["ok"]
+    assert producer.wait_event("v4", 10)[0]["event"] == "FINISHED_SENDING"
+    # Not before the voucher's time (1 s) + the clock skew allowance (0.5 s), less the submit's age.
+    assert time.monotonic() - released > 1.2
+
+
+def test_kv_transfer_params_carry_the_voucher_and_bad_ones_are_ignored() -> None:
+    signed = voucher.sign(b"k" * 32, "P", "r", [[1, 2]], 123)
+    assert voucher_of({PARAM_VOUCHER: signed.hex(), PARAM_VOUCHED_UNTIL_MS: 123}) == (signed, 123)
+    assert voucher_of({PARAM_VOUCHER: "not hex", PARAM_VOUCHED_UNTIL_MS: 123}) == (b"", 0)
+    assert voucher_of({}) == (b"", 0)
+    assert voucher.verify(b"k" * 32, signed, "P", "r", [[1, 2]], 123)
+    for changed in (("Q", "r", [[1, 2]], 123), ("P", "s", [[1, 2]], 123), ("P", "r", [[1, 3]], 123),
+                    ("P", "r", [[1], [2]], 123), ("P", "r", [[1, 2]], 124)):  # fmt: skip
+        assert not voucher.verify(b"k" * 32, signed, *changed), changed
+    assert not voucher.verify(b"short", signed, "P", "r", [[1, 2]], 123)
