@@ -187,6 +187,14 @@ CONFIGS: dict[str, Config] = {
             "engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
             shim_config=(("engine_busy_loop", -1.0),),
         ),
+        Config(
+            "kvsidecar-pull-no-vouchers",
+            "kvsidecar pull, every READ confirmed with P's sidecar first (voucher_seconds=0)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "pull",
+            sidecar_env=(("KVSIDECAR_VOUCHER_SECONDS", "0"),),
+        ),
         *_kvsidecar_ab(
             "weighted",
             "sidecars weighted as the systemd unit does (autogroup nice -10)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,3 +193,67 @@ def test_the_old_module_path_still_names_the_connector() -> None:
     package = importlib.import_module("engine_shim.vllm.connector")
     assert alias.SidecarConnector is package.SidecarConnector
     assert alias.ShimConfig is ShimConfig
+
+
+class SubmitClient:
+    """Stands in for the gRPC client: SubmitBlocks returns a future the test completes."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, int, concurrent.futures.Future[Any]]] = []
+
+    def submit_blocks_async(self, engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.submitted.append((request_id, kwargs.get("vouched_until_ms", 0), future))
+        return future
+
+
+def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_submit_fails(
+    scheduler: SchedulerSide,
+) -> None:
+    """P's shim signs its offered blocks (kvsidecar.voucher) with the key from its sidecar's last
+    SubmitBlocks answer; a consumer may then read them without asking P's sidecar, so if that
+    request's own SubmitBlocks fails, vLLM gets the blocks back only after the voucher ran out."""
+    from vllm.v1.request import RequestStatus
+
+    from kvsidecar import voucher
+    from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
+
+    real_client = scheduler.client
+    real_client.unsubscribe_connectivity(scheduler._on_connectivity)
+    scheduler._down, scheduler._address = False, "127.0.0.1:50151"
+    fake = SubmitClient()
+    scheduler.client = fake  # type: ignore[assignment]
+
+    def finish(request_id: str) -> dict[str, Any]:
+        request = SimpleNamespace(request_id=request_id, kv_transfer_params={"do_remote_decode": True},
+                                  status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=64)  # fmt: skip
+        delay, params = scheduler.request_finished(request, ([3, 4],))  # type: ignore[arg-type]
+        assert delay and params is not None
+        return params
+
+    def abandoned() -> dict[str, str]:
+        meta = scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]
+        return meta.send_abandoned
+
+    try:
+        first = finish("r1")  # no key yet: offered unvouched (consumers confirm with P's sidecar)
+        assert PARAM_VOUCHER not in first and fake.submitted[0][1] == 0
+        key = b"k" * 32
+        answer = SimpleNamespace(voucher_key=key, voucher_seconds=0.4, voucher_clock_skew_seconds=0.2)
+        fake.submitted[0][2].set_result(answer)
+        second = finish("r2")
+        until_ms = second[PARAM_VOUCHED_UNTIL_MS]
+        assert fake.submitted[1][1] == until_ms  # the sidecar is told to hold them as long
+        assert voucher.verify(key, bytes.fromhex(second[PARAM_VOUCHER]), "decode-0", "r2", [[3, 4]], until_ms)
+        failed_at = time.monotonic()
+        fake.submitted[1][2].set_exception(RuntimeError("sidecar refused"))
+        assert abandoned() == {}  # a consumer may be reading them on the voucher
+        assert scheduler.has_pending_push_work()  # the engine keeps stepping to deliver it later
+        while "r2" not in (gone := abandoned()):
+            assert time.monotonic() - failed_at < 5
+            time.sleep(0.05)
+        assert time.monotonic() - failed_at >= 0.5  # voucher (0.4 s) + skew (0.2 s), less the submit's age
+        assert "sidecar refused" in gone["r2"]
+    finally:
+        real_client.subscribe_connectivity(scheduler._on_connectivity)
+        scheduler.client = real_client

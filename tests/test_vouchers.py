@@ -104,6 +104,10 @@ def test_what_does_not_verify_takes_the_confirming_path(pair) -> None:
         ), name
         kinds = _consumer_kinds(d_side, request)
         assert "confirmed" in kinds and "vouched" not in kinds, (name, kinds)
+    # An engine cannot make its sidecar hold blocks for days.
+    far = int((time.time() + 90_000) * 1000)
+    reply = producer.command("submit", request_id="v2-far", blocks=[[9]], vouched_until_ms=far)
+    assert not reply["ok"] and "vouched_until_ms" in reply["error"] and "INVALID_ARGUMENT" in reply["error"], reply
 
 
 def test_the_producer_holds_vouched_blocks_through_a_release_until_the_voucher_ends(pair) -> None:

@@ -134,7 +134,7 @@ class ProducerSide:
         validation.identifier(request.transfer_id, "transfer_id", required=False)
         blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
         lease = validation.duration(request.lease_seconds, "lease_seconds", ctx.settings.lease_seconds)
-        if request.vouched_until_ms and not 0 < request.vouched_until_ms / 1000.0 - time.time() <= 86400:
+        if request.vouched_until_ms / 1000.0 - time.time() > 86400:  # a past one is simply over
             raise InvalidArgument("vouched_until_ms", "must be a Unix time in milliseconds within the next 24 hours")
         if request.mode not in common_pb2.TransferMode.values():
             raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
@@ -736,7 +736,12 @@ class ProducerSide:
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
-            if not pending.writing:
+            if pending.accepts_pull and pending.readable_until > time.monotonic() and not pending.writing:
+                # A consumer may still READ (on a voucher, or after a heartbeat): the memory is
+                # revoked only after this, so an engine that lives on must not get the blocks back
+                # before the READ bound (a READ after the revocation fails).
+                self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, reason)
+            elif not pending.writing:
                 # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
             else:
