@@ -444,9 +444,9 @@ class ConsumerSide:
         give_up = time.monotonic() + timeout
         try:
             cached = ctx.peers.cached_view(address, pending.remote.engine_id)
-            vouched = cached is not None and self._vouched_until(pending, cached, remote_blocks) > 0
+            vouched_until = self._vouched_until(pending, cached, remote_blocks) if cached is not None else 0.0
             confirmed = self._confirmed.get(pending.key, 0.0) > time.monotonic()
-            if not vouched and (not confirmed or self._verified.get(pending.key) != remote_blocks):
+            if not vouched_until and (not confirmed or self._verified.get(pending.key) != remote_blocks):
                 # The producer frees its blocks when its lease ends; reading after that would copy
                 # whatever request now owns them. Confirm (and extend) the lease first, and that the
                 # blocks we name are the request's own. This call also reveals a restarted producer
@@ -484,7 +484,8 @@ class ConsumerSide:
                 if self._checks_integrity(pending):
                     # Before the READ: its notification lets the producer free the blocks.
                     expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
-                vouched_until = self._vouched_until(pending, view, remote_blocks)
+                if view is not cached:  # a fresh handshake: the voucher is checked against its key
+                    vouched_until = self._vouched_until(pending, view, remote_blocks)
                 if vouched_until:
                     what = "the producer engine's voucher holds the blocks: reading without asking"
                     ctx.trace.event("consumer", pending.engine_id, pending.request_id, "vouched", what)
@@ -497,7 +498,8 @@ class ConsumerSide:
                 ctx.metrics.pull_reads.labels(checked_by="voucher" if vouched_until else "producer").inc()
                 # The READ must end while the producer still holds the blocks for certain.
                 now = time.monotonic()
-                window = min(give_up, vouched_until or self._readable.get(pending.key, 0.0)) - now
+                # Either bound holds the blocks for us (the voucher's, or the last heartbeat's).
+                window = min(give_up, max(vouched_until, self._readable.get(pending.key, 0.0))) - now
                 pending.transferring = True
                 outcome = await ctx.dataplane.run(
                     TransferJob(
