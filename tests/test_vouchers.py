@@ -14,7 +14,7 @@ import pytest
 from engine_shim.vllm.params import voucher_of
 from kvsidecar import voucher
 from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
-from tests.support.processes import EngineProcess
+from tests.support.processes import EngineProcess, stopped
 from tests.test_pull import kv
 from tests.test_trace import trace_over_socket
 
@@ -139,3 +139,28 @@ def test_kv_transfer_params_carry_the_voucher_and_bad_ones_are_ignored() -> None
                     ("P", "r", [[1], [2]], 123), ("P", "r", [[1, 2]], 124)):  # fmt: skip
         assert not voucher.verify(b"k" * 32, signed, *changed), changed
     assert not voucher.verify(b"short", signed, "P", "r", [[1, 2]], 123)
+
+
+def test_a_vouched_pull_from_a_hung_producer_sidecar_ends_by_the_voucher(pair) -> None:
+    """A stopped producer sidecar answers nothing and UCX does not complete the READ without it:
+    the pull fails once the voucher's bound (its time less the skew allowance) passes, never
+    later and never as a success; the producer, resumed, frees its blocks."""
+    producer, consumer, p_side, _ = pair
+    key, until_ms = _vouched_submit(producer, "v5", [12, 13], seconds=3.0)
+    signed = voucher.sign(key, "P", "v5", [[12, 13]], until_ms)
+    with stopped(p_side):
+        started = time.monotonic()
+        event = _pull(consumer, producer, "v5-d", [36, 37], "v5", [12, 13], signed, until_ms)
+        assert event["event"] == "LOAD_FAILED" and "deadline" in event["reason"], event
+        assert time.monotonic() - started < 3.0 + 1.0  # the voucher's 3 s (less the skew), and slack
+    assert producer.wait_event("v5", 10)[0]["event"] in ("FINISHED_SENDING", "LEASE_EXPIRED")
+
+
+def test_a_vouched_pull_from_a_dead_producer_sidecar_fails_and_reads_nothing(pair) -> None:
+    producer, consumer, p_side, _ = pair
+    key, until_ms = _vouched_submit(producer, "v6", [14, 15])
+    signed = voucher.sign(key, "P", "v6", [[14, 15]], until_ms)
+    p_side.kill()
+    event = _pull(consumer, producer, "v6-d", [38, 39], "v6", [14, 15], signed, until_ms)
+    assert event["event"] == "LOAD_FAILED", event
+    assert not kv(consumer.buffers[0], 2, 64, 4096)[:, [38, 39]].any()
