@@ -34,14 +34,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """The caller's uid if it may act only on its own engines (None: on any); refuses a call
         naming another uid's engine."""
         uid = acting_uid()
-        owner = self._registry.owner_conflict(engine_id, uid)
-        if owner is not None:
-            caller = CALLER.get()
+        try:
+            self._registry.require_owner(engine_id, uid, method)
+        except PermissionDenied:
+            caller, owner = CALLER.get(), self._registry.engines[engine_id].owner_uid
             log.warning("engine_owner_refused", method=method, engine_id=engine_id, owner_uid=owner, uid=uid,
                         pid=caller.pid if caller else 0)  # fmt: skip
-            raise PermissionDenied(
-                f"{method}: engine {engine_id!r} belongs to uid {owner}; uid {uid} may act only on its own engines"
-            )
+            raise
         return uid
 
     async def RegisterWorker(

@@ -73,11 +73,16 @@ class Caller:
 CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvsidecar_caller", default=None)
 
 
+def privileged(uid: int) -> bool:
+    """Root and the daemon's own uid: they can read the daemon's memory and every engine's anyway."""
+    return uid in (0, os.getuid())
+
+
 def acting_uid() -> int | None:
-    """The uid whose engines the current call may act on, or None if it may act on any: root and
-    the daemon's own uid can read every engine's memory anyway, and so can an in-process caller."""
+    """The uid whose engines the current call may act on, or None if it may act on any (a
+    privileged caller, or an in-process one)."""
     caller = CALLER.get()
-    if caller is None or caller.uid in (0, os.getuid()):
+    if caller is None or privileged(caller.uid):
         return None
     return caller.uid
 
@@ -197,7 +202,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = next((str(value) for key, value in details.invocation_metadata or () if key == TOKEN_KEY), "")
         caller = self._tokens.verify(token) if token else None
-        if caller is not None and method.startswith(PEER_SERVICE) and caller.uid not in (0, os.getuid()):
+        if caller is not None and method.startswith(PEER_SERVICE) and not privileged(caller.uid):
             # PeerService is here for debugging by the daemon's user. Anyone else calling it here
             # would act as a peer with no identity to check (mTLS is on the peer port).
             log.warning("engine_call_refused", method=method, uid=caller.uid, pid=caller.pid,

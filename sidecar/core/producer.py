@@ -145,8 +145,7 @@ class ProducerSide:
             if existing.block_ids != blocks:
                 raise FailedPrecondition(f"request {request.request_id!r} was already submitted with other blocks")
             self.leases.extend(existing.key, time.monotonic() + lease)
-            if request.vouched_until_ms > 0:
-                self._hold_vouched(existing, request.vouched_until_ms)
+            self._hold_vouched(existing, request.vouched_until_ms)
             return self._submitted(engine, lease, existing.writing)
         ctx.tasks.check_capacity(len(self.requests))
         pending = ProducerRequest(
@@ -159,8 +158,7 @@ class ProducerSide:
             lease_seconds=lease,
         )
         self._add(pending)
-        if request.vouched_until_ms > 0:
-            self._hold_vouched(pending, request.vouched_until_ms)
+        self._hold_vouched(pending, request.vouched_until_ms)
         ctx.trace.event(
             "producer",
             pending.engine_id,
@@ -197,9 +195,9 @@ class ProducerSide:
         """The engine vouched for the blocks until ``until_ms`` (Unix ms): a consumer may READ them
         until then without asking, so neither a release nor the lease frees them earlier unless a
         READ notified (kvsidecar.voucher). Its validity is the engine's own choice about its own
-        blocks (``submit`` bounds it)."""
+        blocks (``submit`` bounds it). 0 (not vouched) or a time long past holds nothing."""
         remaining = until_ms / 1000.0 - time.time()
-        if remaining <= -self._ctx.settings.voucher_clock_skew_seconds:
+        if until_ms <= 0 or remaining <= -self._ctx.settings.voucher_clock_skew_seconds:
             return
         until = time.monotonic() + remaining + self._ctx.settings.voucher_clock_skew_seconds
         pending.readable_until = max(pending.readable_until, until)
@@ -736,14 +734,11 @@ class ProducerSide:
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
-            if pending.accepts_pull and pending.readable_until > time.monotonic() and not pending.writing:
-                # A consumer may still READ (on a voucher, or after a heartbeat): the memory is
-                # revoked only after this, so an engine that lives on must not get the blocks back
-                # before the READ bound (a READ after the revocation fails).
-                self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, reason)
-            elif not pending.writing:
-                # Its memory is unmapped with the engine (a consumer's READ then fails): free now.
-                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="engine_gone")
+            if not pending.writing:
+                # Its memory is revoked only after this (a consumer's READ then fails): free now,
+                # unless a consumer may still READ (on a voucher, or after a heartbeat), because an
+                # engine that lives on must not get the blocks back before that READ's bound.
+                self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, reason, hold_end="engine_gone")
             else:
                 self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
         for registration in self.matcher.registrations():
@@ -762,9 +757,9 @@ class ProducerSide:
         if pending.end is None:
             pending.end = (kind, reason)
 
-    def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str) -> None:
-        """Free now, or, if a consumer may still READ the blocks, once it notified or its READ
-        bound (``readable_until``) passed. See the module docstring."""
+    def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str, hold_end: str = "released") -> None:
+        """Free now (``hold_end`` as in ``_finish``), or, if a consumer may still READ the blocks,
+        once it notified or its READ bound (``readable_until``) passed. See the module docstring."""
         if pending.accepts_pull and pending.readable_until > time.monotonic():
             pending.closing = (kind, reason)
             self.leases.set(pending.key, pending.readable_until)
@@ -775,7 +770,7 @@ class ProducerSide:
                 seconds=round(pending.readable_until - time.monotonic(), 3),
             )
             return
-        self._finish(pending, kind, reason=reason)
+        self._finish(pending, kind, reason=reason, hold_end=hold_end)
 
     def awaiting_consumers(self) -> int:
         """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""

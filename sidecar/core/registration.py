@@ -54,7 +54,6 @@ class Registrations:
         if ctx.tasks.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         spec = validation.register_worker(request)
-        self._check_owner(spec.engine_id, uid)
         if spec.tp_size * spec.pp_size > ctx.settings.max_workers_per_engine:
             # An engine's workers are its TP x PP ranks: this bounds them before any is mapped.
             raise ResourceExhausted(
@@ -131,8 +130,9 @@ class Registrations:
             self._release(memories)
             raise
         try:
-            # Another uid's registration may have created the engine while this one mapped.
-            self._check_owner(spec.engine_id, uid)
+            # Another uid's registration may have created the engine while this one mapped (the
+            # servicer checked the caller against the engine as it was when the call came).
+            ctx.registry.require_owner(spec.engine_id, uid, "RegisterWorker")
         except PermissionDenied:
             ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
             raise
@@ -170,13 +170,6 @@ class Registrations:
             agent_s=round(time.monotonic() - mapped, 3),
         )
         return self._registered(worker)
-
-    def _check_owner(self, engine_id: str, uid: int | None) -> None:
-        owner = self._ctx.registry.owner_conflict(engine_id, uid)
-        if owner is not None:
-            raise PermissionDenied(
-                f"engine_id: engine {engine_id!r} was registered by uid {owner}; uid {uid} may not add workers to it"
-            )
 
     async def _map_all(self, exports: tuple[ExportSpec, ...], uid: int | None) -> list[MappedMemory]:
         """Map every export on a worker thread (pre-faulting may take seconds); all or none.

@@ -17,7 +17,7 @@ from sidecar.dataplane.contract import RemoteAgent
 from sidecar.dataplane.memory import MappedMemory
 from sidecar.dataplane.plan.layout import WorkerLayout
 from sidecar.dataplane.plane import EngineView, LocalWorker, WorkerView
-from sidecar.errors import FailedPrecondition, NotFound
+from sidecar.errors import FailedPrecondition, NotFound, PermissionDenied
 
 WorkerKey = tuple[str, int, int]  # (engine_id, pp_rank, tp_rank)
 
@@ -241,13 +241,17 @@ class Registry:
         if not engine.workers:
             del self.engines[worker.engine_id]
 
-    def owner_conflict(self, engine_id: str, uid: int | None) -> int | None:
-        """The uid that owns ``engine_id`` if it is not ``uid`` (None: ``uid`` may act on it; a
-        ``uid`` of None acts on every engine, see ``api.engine_auth.acting_uid``)."""
+    def require_owner(self, engine_id: str, uid: int | None, method: str) -> None:
+        """PERMISSION_DENIED unless ``uid`` may act on ``engine_id``: its owner, or any uid while
+        the engine is not registered. A ``uid`` of None acts on every engine (root, the daemon's
+        uid, in-process callers: ``api.engine_auth.acting_uid``)."""
         engine = self.engines.get(engine_id)
         if uid is None or engine is None or engine.owner_uid is None or engine.owner_uid == uid:
-            return None
-        return engine.owner_uid
+            return
+        raise PermissionDenied(
+            f"{method}: engine {engine_id!r} belongs to uid {engine.owner_uid}; "
+            f"uid {uid} may act only on its own engines"
+        )
 
     def require_engine(self, engine_id: str, field_name: str, roles: tuple[int, ...] | None = None) -> Engine:
         """The complete engine ``engine_id``, or a NOT_FOUND / FAILED_PRECONDITION error."""
