@@ -13,7 +13,10 @@ thread seeing a notification (``loop_wake``). Marks are offsets from the produce
 the table lists each mark's median offset over the requests and the median gap from the mark
 before it, so the gaps add up to the median request.
 
-    python -m bench.control_timeline --rate 100 --count 300 [--modes push pull] [--json OUT]
+    python -m bench.control_timeline --rate 100 --count 300 [--modes push pull pull-confirmed] [--json OUT]
+
+Pulls are vouched after the first (as the vLLM shim's are, ``kvsidecar.voucher``);
+``pull-confirmed`` measures pulls that confirm with the producer's sidecar before each READ.
 
 Run it on a quiet machine (the figures are thread wake-ups of tens of microseconds).
 """
@@ -68,7 +71,7 @@ def sidecar_marks(timelines: list[Timeline]) -> dict[str, float]:
 
 def run(mode: str, rate: float, count: int) -> tuple[list[dict[str, float]], list[float]]:
     layout = KvLayout(1, 256, 64 * KIB)
-    with TransferPair(layout) as pair:
+    with TransferPair(layout, vouch=mode != "pull-confirmed") as pair:
         pair.fill_producer(seed=1)
         transfer = pair.push if mode == "push" else pair.pull
         for _ in range(5):  # warm-up: handshake, connections, prepared lists
@@ -117,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--count", type=int, default=300)
-    parser.add_argument("--modes", nargs="+", default=["push", "pull"], choices=["push", "pull"])
+    parser.add_argument("--modes", nargs="+", default=["push", "pull"], choices=["push", "pull", "pull-confirmed"])
     parser.add_argument("--json", type=Path, help="write every request's marks here")
     args = parser.parse_args()
     dump = {}

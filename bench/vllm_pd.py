@@ -187,6 +187,16 @@ CONFIGS: dict[str, Config] = {
             "engines' shm queues spin 1 s as vLLM ships (engine_busy_loop=-1)",
             shim_config=(("engine_busy_loop", -1.0),),
         ),
+        *_kvsidecar_ab(
+            "short-spin",
+            "engines' shm queues spin at most 0.2 ms (engine_busy_loop=0.0002)",
+            shim_config=(("engine_busy_loop", 0.0002),),
+        ),
+        *_kvsidecar_ab(
+            "idle-wait-5ms",
+            "an engine step that only waits for KV blocks up to 5 ms (idle_wait=0.005)",
+            shim_config=(("idle_wait", 0.005),),
+        ),
         Config(
             "kvsidecar-pull-no-vouchers",
             "kvsidecar pull, every READ confirmed with P's sidecar first (voucher_seconds=0)",

@@ -164,3 +164,27 @@ def test_a_vouched_pull_from_a_dead_producer_sidecar_fails_and_reads_nothing(pai
     event = _pull(consumer, producer, "v6-d", [38, 39], "v6", [14, 15], signed, until_ms)
     assert event["event"] == "LOAD_FAILED", event
     assert not kv(consumer.buffers[0], 2, 64, 4096)[:, [38, 39]].any()
+
+
+def test_the_benchmark_pair_pulls_vouched_as_the_vllm_shim_does() -> None:
+    """``kvsidecar bench``'s control path measures the default pull: once a SubmitBlocks answer gave
+    the producer's key, every pull reads on its voucher (no confirming heartbeat), bytes intact;
+    ``vouch=False`` still measures the confirming path."""
+    from engine_shim.memory import KvLayout
+    from sidecar.tools.workload import TransferPair
+
+    def kinds_of(pair: TransferPair, request_id: str) -> list[str]:
+        (timeline,) = [t for t in pair.trace(request_id) if t.side == "consumer"]
+        return [event.kind for event in timeline.events]
+
+    for vouch in (True, False):
+        with TransferPair(KvLayout(1, 16, 4096), vouch=vouch) as pair:
+            pair.fill_producer(seed=7)
+            for index in range(2):
+                pair.poison([4, 5])
+                pair.pull([1, 2], [4, 5])
+                assert pair.verify([1, 2], [4, 5])
+                kinds = kinds_of(pair, f"pull-{index}")
+                # The first pull has no key yet (the vLLM shim's first request goes unvouched too).
+                vouched = vouch and index > 0
+                assert ("vouched" in kinds) is vouched and ("confirmed" in kinds) is not vouched, (vouch, kinds)

@@ -5,6 +5,11 @@ for the demo and the benchmark.
 path), registers a ``SimulatedEngine`` with each, and turns every push or pull into a blocking call
 that returns the request's latency: from the producer's SubmitBlocks to the consumer's
 FINISHED_RECEIVING event. Calls are thread-safe; the engines' event threads complete the waits.
+
+Pulls are vouched as the vLLM shim vouches them (``kvsidecar.voucher``): once a ``SubmitBlocks``
+answer gave the producer's key, each submission names how long its blocks stay held and the pull
+carries the signed voucher, so the consumer's sidecar reads without asking the producer's first
+(the default path of a real deployment). ``vouch=False`` measures the confirming path instead.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 from engine_shim.client import remote
 from engine_shim.memory import KvLayout
 from engine_shim.simulated import SimulatedEngine
+from kvsidecar import voucher
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.core.trace import Timeline, from_proto
 from sidecar.tools.launcher import DaemonProcess
@@ -48,8 +54,12 @@ class TransferPair:
         roles: tuple[str, str] = ("producer", "consumer"),
         consumer_layout: KvLayout | None = None,
         make_daemon: Callable[[str], DaemonProcess] | None = None,
+        vouch: bool = True,
     ) -> None:
         self.layout = layout
+        self.vouch = vouch
+        # The producer's voucher key and validity from its sidecar's last SubmitBlocks answer.
+        self._voucher_terms: tuple[bytes, float] = (b"", 0.0)
         self.roles = roles  # ("both", "both") for multi-turn: D holds, P pulls back
         self.consumer_layout = consumer_layout or layout  # another block size or KV layout: converted
         self.same_node = same_node
@@ -173,16 +183,24 @@ class TransferPair:
         assert self.producer is not None and self.consumer is not None
         request_id = f"pull-{next(self._ids)}"
         received, sent = self._expect("D", request_id + "-d"), self._expect("P", request_id)
+        key, seconds = self._voucher_terms if self.vouch else (b"", 0.0)
+        until_ms = int((time.time() + seconds) * 1000) if key else 0
         self._mark(request_id + "-d", "P-engine SubmitBlocks")
         started = time.perf_counter()
-        self.producer.client.submit_blocks(
+        submitted = self.producer.client.submit_blocks(
             self.producer.engine_id, request_id, [list(p_blocks)], num_tokens=num_tokens,
-            mode=common_pb2.TRANSFER_MODE_PULL,
+            mode=common_pb2.TRANSFER_MODE_PULL, vouched_until_ms=until_ms,
         )  # fmt: skip
         self._mark(request_id + "-d", "P-engine SubmitBlocks returned")
+        if submitted.voucher_key:
+            self._voucher_terms = (submitted.voucher_key, submitted.voucher_seconds)
+        signed = voucher.sign(key, self.producer.engine_id, request_id, [list(p_blocks)], until_ms) if key else b""
         self.consumer.client.pull(
             self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
-            remote(self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)], 0, num_tokens),
+            remote(
+                self.producer.peer_address, self.producer.engine_id, request_id, [list(p_blocks)], 0, num_tokens,
+                signed, until_ms,
+            ),
         )  # fmt: skip
         self._mark(request_id + "-d", "D-engine Pull returned")
         return self._finish(request_id, received, sent, started)
