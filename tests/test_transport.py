@@ -22,7 +22,7 @@ from sidecar.config import NixlSettings
 from sidecar.dataplane.contract import DlistSpec, RemoteAgent, RunsSpec, TransferSpec
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import RegionLayout, Slice, WorkerLayout
-from sidecar.dataplane.transport import NixlTransport
+from sidecar.dataplane.transport import NixlTransport, next_poll_delay
 
 BLOCKS, BLOCK_LEN, LAYERS = 64, 16384, 2
 
@@ -281,3 +281,23 @@ def test_post_priority_fails_soft_when_not_permitted() -> None:
     refused = [line for line in done.stderr.splitlines() if "nixl_post_priority_not_permitted" in line]
     assert len(refused) == 1, done.stderr[-3000:]
     assert "LimitRTPRIO" in refused[0] and "nixl.post_priority" in refused[0]
+
+
+def test_polling_only_for_a_peer_to_wire_up_backs_off_further_than_while_work_is_expected() -> None:
+    """After a handshake the owner thread polls for 5 s so the peer can connect to our agents; with
+    no transfer or notification expected it settles at 10 ms (not poll_interval_max: that kept an
+    idle sidecar at 0.05-0.09 of a core for 5 s after each handshake). Right after activity, and
+    whenever work is expected, the cadence is unchanged."""
+    poll_max = NixlSettings().poll_interval_max_ms / 1000.0
+
+    def settled(waits_only_for_connects: bool) -> float:
+        delay = 0.00005
+        for _ in range(20):
+            delay = next_poll_delay(delay, 1.0, poll_max, waits_only_for_connects)
+        return delay
+
+    assert settled(waits_only_for_connects=False) == poll_max
+    assert settled(waits_only_for_connects=True) == 0.01
+    # Within 100 ms of activity both poll every 200 us (a peer's first transfer follows at once).
+    for only_connects in (False, True):
+        assert next_poll_delay(0.0002, 0.05, poll_max, only_connects) == 0.0002

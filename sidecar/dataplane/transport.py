@@ -11,7 +11,8 @@ Threads:
 - The owner thread (``kvsidecar-nixl``) executes commands, posts transfers and polls. NIXL's own
   progress thread is disabled (with NIXL's hard-coded zero delay it spins a core per agent), so
   this thread drives progress: while anything is in flight or expected it polls transfer states
-  and notifications, right away after activity and backing off to ``poll_interval_max``; with
+  and notifications, right away after activity and backing off to ``poll_interval_max``
+  (``next_poll_delay``; 10 ms when it only lets a peer that just handshaked wire up); with
   nothing in flight it blocks on the command queue and uses no CPU.
 - Notifications are handed to the loop through ``on_notifications`` with
   ``loop.call_soon_threadsafe``, in batches.
@@ -79,6 +80,22 @@ _HOT_WINDOW_S = 0.002
 _MIN_DELAY_S = 0.00005
 _WARM_WINDOW_S = 0.1
 _WARM_DELAY_S = 0.0002
+# Polled only so that a peer that just handshaked can wire up to our agents (``warm``), with no
+# transfer or notification expected: its first transfer almost always follows at once (the warm
+# window above), so later the owner thread polls at this pace. At poll_interval_max_ms it kept a
+# sidecar at 0.05-0.09 of a core for the 5 s after every handshake; this costs a late first
+# transfer at most this much more, once per peer.
+_CONNECT_DELAY_S = 0.01
+
+
+def next_poll_delay(delay: float, since_activity: float, poll_max: float, waits_only_for_connects: bool) -> float:
+    """The owner thread's next sleep between polls, ``since_activity`` seconds after it last
+    posted, completed or received something (pure)."""
+    if since_activity < _WARM_WINDOW_S:
+        return min(max(delay * 2, _MIN_DELAY_S), _WARM_DELAY_S)
+    return min(delay * 2, max(poll_max, _CONNECT_DELAY_S) if waits_only_for_connects else poll_max)
+
+
 # How long a post waits in place for a small transfer to complete.
 _POST_SPIN_S = 0.00005
 _NOTHING = object()  # "no command" marker in the owner loop
@@ -315,10 +332,10 @@ class NixlTransport:
             if worked or progressed:
                 last_activity = now
                 delay = _MIN_DELAY_S
-            elif now - last_activity < _WARM_WINDOW_S:
-                delay = min(max(delay * 2, _MIN_DELAY_S), _WARM_DELAY_S)
             else:
-                delay = min(delay * 2, self._settings.poll_interval_max_ms / 1000.0)
+                delay = next_poll_delay(
+                    delay, now - last_activity, self._settings.poll_interval_max_ms / 1000.0, not self._expects_work()
+                )
 
     def _next_command(self) -> Any:
         try:
@@ -327,9 +344,11 @@ class NixlTransport:
             return _NOTHING
 
     def _is_active(self) -> bool:
-        return bool(
-            self._in_flight or self._stuck or self._splits or self._expecting > 0 or time.monotonic() < self._warm_until
-        )
+        return self._expects_work() or time.monotonic() < self._warm_until
+
+    def _expects_work(self) -> bool:
+        """A transfer in flight or notifications expected (not only a peer's wire-up)."""
+        return bool(self._in_flight or self._stuck or self._splits or self._expecting > 0)
 
     @staticmethod
     def _execute(function: Callable[..., Any], args: tuple[Any, ...], future: concurrent.futures.Future[Any]) -> None:
