@@ -44,7 +44,9 @@ EngineCore processes, the sidecars and this client are not pinned.
 
 Diagnostics (environment): ``KVBENCH_TRACE=FILE`` appends the client's leg times (wall clock) to
 FILE; ``KVBENCH_SERVER_PYTHONPATH`` / ``KVBENCH_SIDECAR_PYTHONPATH`` are put first on the vLLM
-servers' / sidecars' PYTHONPATH (e.g. a tracing ``sitecustomize``; it shadows the bench's own).
+servers' / sidecars' PYTHONPATH (e.g. ``KVBENCH_SERVER_PYTHONPATH=bench/engine_trace``, which logs
+every engine step to the same FILE and runs the bench's own ``sitecustomize`` too; then
+``python -m bench.engine_timeline FILE`` splits D's time to first token into phases).
 
 Run: ``python -m bench.vllm_pd [--json bench/out/vllm_pd.json] [--quick] [--runs 7]
 [--sizes 512 2048 8192] [--configs ...]``; ``make bench-vllm``. Cleans up (process groups by PID,
@@ -744,6 +746,7 @@ class Bench:
         key = config.concurrent_key if concurrent else config.key
         for size in self.sizes:
             prompts = self.prompts[size]
+            trace(f"measuring {key} {size}")  # bench.engine_timeline groups the requests by this
             await self.one(client, setup, prompts[0], concurrent)  # warm-up (first touch, handshakes)
             await self.settle(client, setup)
             before = await self.snapshot(session, setup)
@@ -832,6 +835,7 @@ class Bench:
         """Start, measure and stop one configuration. A failure (a server that does not start, a leg
         that times out) becomes an error row for every size not measured yet, and the run goes on."""
         print(f"[{config.key}] starting {config.label} ({config.setup})", flush=True)
+        trace(f"starting {config.key}")  # bench.engine_timeline: what follows is not measured yet
         started = time.monotonic()
         note: dict[str, Any] = {}
         self.notes[config.key] = note
