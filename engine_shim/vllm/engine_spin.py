@@ -18,8 +18,9 @@ constructor (both roles: the scheduler role runs in the EngineCore, the worker r
 with ``kv_connector_extra_config["engine_busy_loop"]``.
 
 A sleeping reader also rechecks the ring buffer every ``IDLE_RECHECK_S`` on its own. The
-writer's notification can be lost (its zmq PUB socket keeps one undelivered message, ``SNDHWM=1``,
-and the reader's SUB socket conflates), and vLLM rechecks only every 5 s
+writer's notification can be lost (its zmq PUB socket drops above one undelivered message,
+``SNDHWM=1``, and the reader's SUB socket conflates; which race loses it was not pinned down),
+and vLLM rechecks only every 5 s
 (``SHM_READER_RECHECK_INTERVAL_MS``): with a 0.2 ms cap, 6 of 28 requests of ``bench/vllm_pd.py``
 stalled for 5.05-5.09 s with the data already in the buffer. vLLM's 1 s spin hides this by rarely
 sleeping at all; a reader that sleeps after a millisecond must not depend on the notification alone.
