@@ -43,6 +43,19 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[.
     setattr(owner, name, functools.wraps(original)(make(original)))
 
 
+def _announce(describe: Callable[..., str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A wrapper that logs ``describe(*arguments)`` and then calls the original."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
+            log(describe(*args))
+            return original(self, *args, **kwargs)
+
+        return traced
+
+    return make
+
+
 def _engine_core(module: Any) -> None:
     def step(original: Callable[..., Any]) -> Callable[..., Any]:
         def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -57,15 +70,8 @@ def _engine_core(module: Any) -> None:
 
         return traced
 
-    def add(original: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            log(f"core add {request.request_id}")
-            return original(self, request, *args, **kwargs)
-
-        return traced
-
     _wrap(module.EngineCore, "step", step)
-    _wrap(module.EngineCore, "add_request", add)
+    _wrap(module.EngineCore, "add_request", _announce(lambda request, *_: f"core add {request.request_id}"))
 
 
 def _worker(module: Any) -> None:
@@ -98,13 +104,6 @@ def _results(label: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def _shim_scheduler(module: Any) -> None:
-    def alloc(original: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(self: Any, request: Any, blocks: Any, external: int, *args: Any, **kwargs: Any) -> Any:
-            log(f"shim alloc {request.request_id} n={external}")
-            return original(self, request, blocks, external, *args, **kwargs)
-
-        return traced
-
     def finished(original: Callable[..., Any]) -> Callable[..., Any]:
         def traced(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, request, *args, **kwargs)
@@ -113,19 +112,20 @@ def _shim_scheduler(module: Any) -> None:
 
         return traced
 
-    _wrap(module.SchedulerSide, "update_state_after_alloc", alloc)
+    _wrap(
+        module.SchedulerSide,
+        "update_state_after_alloc",
+        _announce(lambda request, _blocks, external, *_: f"shim alloc {request.request_id} n={external}"),
+    )
     _wrap(module.SchedulerSide, "request_finished", finished)
 
 
 def _shim_worker(module: Any) -> None:
-    def event(original: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
-            log(f"shim event kind={item.kind} {item.request_id}")
-            return original(self, item, *args, **kwargs)
-
-        return traced
-
-    _wrap(module.WorkerSide, "_event_arrived", event)
+    _wrap(
+        module.WorkerSide,
+        "_event_arrived",
+        _announce(lambda event, *_: f"shim event kind={event.kind} {event.request_id}"),
+    )
     _wrap(module.WorkerSide, "get_transfer_results", _results("shim"))
 
 
