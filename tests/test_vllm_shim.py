@@ -1,7 +1,8 @@
-"""Unit tests of the vLLM connector package (``engine_shim.vllm``) without a vLLM engine or a sidecar.
+"""Unit tests of the vLLM connector package (``engine_shim.vllm``) without a vLLM engine.
 
 vLLM is imported (the connector subclasses its interfaces) but no engine runs: the connector's
-parts are built from the few configuration fields they read. The end-to-end behaviour with real
+parts are built from the few configuration fields they read. Most need no sidecar; the voucher
+test talks to a real one with a registered simulated engine. The end-to-end behaviour with real
 vLLM instances is in ``test_vllm_e2e.py``.
 """
 
@@ -195,39 +196,36 @@ def test_the_old_module_path_still_names_the_connector() -> None:
     assert alias.ShimConfig is ShimConfig
 
 
-class SubmitClient:
-    """Stands in for the gRPC client: SubmitBlocks returns a future the test completes."""
-
-    def __init__(self) -> None:
-        self.submitted: list[tuple[str, int, concurrent.futures.Future[Any]]] = []
-
-    def submit_blocks_async(self, engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.submitted.append((request_id, kwargs.get("vouched_until_ms", 0), future))
-        return future
-
-
 def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_submit_fails(
-    scheduler: SchedulerSide,
+    tmp_path: Path, sidecars: Any, engines: Any
 ) -> None:
     """P's shim signs its offered blocks (kvsidecar.voucher) with the key from its sidecar's last
     SubmitBlocks answer; a consumer may then read them without asking P's sidecar, so if that
-    request's own SubmitBlocks fails, vLLM gets the blocks back only after the voucher ran out."""
+    request's own SubmitBlocks fails, vLLM gets the blocks back only after the voucher ran out.
+    A real sidecar (vouchers of 2 s, 0.5 s skew allowance) and a registered simulated engine."""
     from vllm.v1.request import RequestStatus
 
     from kvsidecar import voucher
     from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
 
-    real_client = scheduler.client
-    real_client.unsubscribe_connectivity(scheduler._on_connectivity)
-    scheduler._down, scheduler._address = False, "127.0.0.1:50151"
-    fake = SubmitClient()
-    scheduler.client = fake  # type: ignore[assignment]
+    side = sidecars(env={"KVSIDECAR_VOUCHER_SECONDS": "2", "KVSIDECAR_VOUCHER_CLOCK_SKEW_SECONDS": "0.5"})
+    engines(side, "decode-0", "producer", blocks=64, block_size=32)
+    kv_cache_config = SimpleNamespace(transfer_group_ids=(0,), kv_cache_groups=[object()])
+    config = ShimConfig(sidecar_socket=str(side.socket), rpc_timeout=5.0)
+    scheduler = SchedulerSide(vllm_config(), kv_cache_config, config)  # type: ignore[arg-type]
+    submitted: list[concurrent.futures.Future[Any]] = []
+    submit = scheduler.client.submit_blocks_async
 
-    def finish(request_id: str) -> dict[str, Any]:
+    def record(*args: Any, **kwargs: Any) -> Any:  # the real call; the test waits for its answer
+        submitted.append(submit(*args, **kwargs))
+        return submitted[-1]
+
+    scheduler.client.submit_blocks_async = record  # type: ignore[method-assign]
+
+    def finish(request_id: str, blocks: list[int]) -> dict[str, Any]:
         request = SimpleNamespace(request_id=request_id, kv_transfer_params={"do_remote_decode": True},
                                   status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=64)  # fmt: skip
-        delay, params = scheduler.request_finished(request, ([3, 4],))  # type: ignore[arg-type]
+        delay, params = scheduler.request_finished(request, (blocks,))  # type: ignore[arg-type]
         assert delay and params is not None
         return params
 
@@ -236,24 +234,30 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
         return meta.send_abandoned
 
     try:
-        first = finish("r1")  # no key yet: offered unvouched (consumers confirm with P's sidecar)
-        assert PARAM_VOUCHER not in first and fake.submitted[0][1] == 0
-        key = b"k" * 32
-        answer = SimpleNamespace(voucher_key=key, voucher_seconds=0.4, voucher_clock_skew_seconds=0.2)
-        fake.submitted[0][2].set_result(answer)
-        second = finish("r2")
+        scheduler._refresh_address()
+        deadline = time.monotonic() + 10
+        while scheduler._address is None:  # the sidecar's peer address, returned to routers
+            assert time.monotonic() < deadline, "the shim never learned its sidecar's address"
+            time.sleep(0.05)
+        first = finish("r1", [3, 4])  # no key yet: offered unvouched (consumers confirm with P's sidecar)
+        assert PARAM_VOUCHER not in first
+        key = submitted[0].result(timeout=10).voucher_key
+        deadline = time.monotonic() + 10
+        while scheduler._voucher_terms[0] != key:  # set by the answer's callback thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # Blocks past the engine's 64: the sidecar refuses this submission, after the shim signed it.
+        second = finish("r2", [100, 101])
         until_ms = second[PARAM_VOUCHED_UNTIL_MS]
-        assert fake.submitted[1][1] == until_ms  # the sidecar is told to hold them as long
-        assert voucher.verify(key, bytes.fromhex(second[PARAM_VOUCHER]), "decode-0", "r2", [[3, 4]], until_ms)
-        failed_at = time.monotonic()
-        fake.submitted[1][2].set_exception(RuntimeError("sidecar refused"))
+        assert voucher.verify(key, bytes.fromhex(second[PARAM_VOUCHER]), "decode-0", "r2", [[100, 101]], until_ms)
+        offered = time.monotonic()
+        assert submitted[1].exception(timeout=10) is not None  # INVALID_ARGUMENT from the real sidecar
         assert abandoned() == {}  # a consumer may be reading them on the voucher
         assert scheduler.has_pending_push_work()  # the engine keeps stepping to deliver it later
         while "r2" not in (gone := abandoned()):
-            assert time.monotonic() - failed_at < 5
+            assert time.monotonic() - offered < 10
             time.sleep(0.05)
-        assert time.monotonic() - failed_at >= 0.5  # voucher (0.4 s) + skew (0.2 s), less the submit's age
-        assert "sidecar refused" in gone["r2"]
+        assert time.monotonic() - offered >= 2.5 - 0.1  # voucher (2 s) + skew (0.5 s), less the call's age
+        assert "block_ids" in gone["r2"], gone
     finally:
-        real_client.subscribe_connectivity(scheduler._on_connectivity)
-        scheduler.client = real_client
+        scheduler.shutdown()
