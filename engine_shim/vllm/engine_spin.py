@@ -20,10 +20,10 @@ with ``kv_connector_extra_config["engine_busy_loop"]``.
 A sleeping reader also rechecks the ring buffer every ``IDLE_RECHECK_S`` on its own. The
 writer's notification can be lost (its zmq PUB socket drops above one undelivered message,
 ``SNDHWM=1``, and the reader's SUB socket conflates; which race loses it was not pinned down),
-and vLLM rechecks only every 5 s
-(``SHM_READER_RECHECK_INTERVAL_MS``): with a 0.2 ms cap, 6 of 28 requests of ``bench/vllm_pd.py``
-stalled for 5.05-5.09 s with the data already in the buffer. vLLM's 1 s spin hides this by rarely
-sleeping at all; a reader that sleeps after a millisecond must not depend on the notification alone.
+and vLLM rechecks only every 5 s (``SHM_READER_RECHECK_INTERVAL_MS``): with a 0.2 ms cap, 6 of 28
+requests of ``bench/vllm_pd.py`` stalled for 5.05-5.09 s with the data already in the buffer.
+vLLM's 1 s spin hides this by rarely sleeping at all; a reader that sleeps after a millisecond
+must not depend on the notification alone.
 An idle reader wakes 20 times a second for it (microseconds each).
 
 Threads: called from whichever thread vLLM builds the connector on; the wrapper runs on the
@@ -43,6 +43,7 @@ _PATCHED_ATTRIBUTE = "_kvsidecar_busy_loop_cap"
 # How long a sleeping reader trusts the writer's notification before it looks for itself: the
 # bound on a stall from a lost notification (vLLM's own: 5 s).
 IDLE_RECHECK_S = 0.05
+_IDLE_RECHECK_MS = int(IDLE_RECHECK_S * 1000)  # zmq's poll takes milliseconds
 
 
 def cap_busy_loop(limit: float) -> bool:
@@ -75,9 +76,8 @@ def cap_busy_loop(limit: float) -> bool:
         cap = getattr(SpinCondition, _PATCHED_ATTRIBUTE)
         if getattr(self, "busy_loop_s", 0) > cap:
             self.busy_loop_s = cap
-        recheck_ms = int(IDLE_RECHECK_S * 1000)
-        if timeout_ms is None or timeout_ms > recheck_ms:
-            timeout_ms = recheck_ms  # vLLM's read loop checks the buffer and waits again
+        if timeout_ms is None or timeout_ms > _IDLE_RECHECK_MS:
+            timeout_ms = _IDLE_RECHECK_MS  # vLLM's read loop checks the buffer and waits again
         original(self, timeout_ms)
 
     SpinCondition.wait = wait  # type: ignore[method-assign]
