@@ -60,6 +60,7 @@ from bench.vllm_pd import (  # noqa: E402
     Setup,
     cpu_seconds,
     interrupts_as_keyboard_interrupt,
+    metric_delta,
     source_revision,
     versions,
 )
@@ -85,6 +86,34 @@ DIAGNOSTIC_CONFIGS = (
     "kvsidecar-push-weighted",
 )
 PROXY = REPO / "examples" / "pd_proxy.py"
+# Where a request's TTFT went, from each engine's own vLLM histograms (the same for every connector):
+# part -> (engine, histogram). vLLM records a request SCHEDULED only once it is scheduled to compute,
+# so D's queue time includes the wait for its KV (a remote load holds it in WAITING_FOR_REMOTE_KVS).
+TTFT_PARTS = {
+    "P queue": ("P", "vllm:request_queue_time_seconds"),
+    "P prefill": ("P", "vllm:request_prefill_time_seconds"),
+    "D queue + KV wait": ("D", "vllm:request_queue_time_seconds"),
+    "D first step": ("D", "vllm:request_prefill_time_seconds"),
+}
+
+
+def ttft_parts(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], mean_ttft_ms: float | None
+) -> dict[str, float]:
+    """Mean ms per request of each of ``TTFT_PARTS`` between two snapshots of a setup's metrics
+    (``Bench.snapshot``: vLLM's metrics are under "P vLLM" / "D vLLM" next to the sidecars', or
+    under "P" / "D" for vLLM's own connectors), plus ``rest``: the client's mean TTFT less the parts
+    (API servers, the proxy, the hop from P's answer to D). Parts without samples are left out."""
+    parts: dict[str, float] = {}
+    for part, (engine, histogram) in TTFT_PARTS.items():
+        old = before.get(f"{engine} vLLM", before.get(engine, {}))
+        new = after.get(f"{engine} vLLM", after.get(engine, {}))
+        count = metric_delta(old, new, f"{histogram}_count")
+        if count > 0:
+            parts[part] = round(metric_delta(old, new, f"{histogram}_sum") / count * 1e3, 1)
+    if mean_ttft_ms is not None and len(parts) == len(TTFT_PARTS):
+        parts["rest"] = round(mean_ttft_ms - sum(parts.values()), 1)
+    return parts
 
 
 class Group:
@@ -223,7 +252,7 @@ class LoadBench:
                         f"  {config.key:16s} {layout:10s} {input_len:5d} tok rate {rate:>4s}: TTFT mean "
                         f"{row['mean_ttft_ms']:.1f} p50 {row['median_ttft_ms']:.1f} p99 {row['p99_ttft_ms']:.1f} ms, "
                         f"TPOT {row['mean_tpot_ms']:.1f} ms, {row['requests_per_s']:.2f} req/s, "
-                        f"failed {row['failed']}",
+                        f"failed {row['failed']}; TTFT parts (mean ms) {row['ttft_parts_ms']}",
                         flush=True,
                     )
 
@@ -261,7 +290,9 @@ class LoadBench:
             "requests_per_s": found.get("request_throughput"),
             "duration_s": found.get("duration"),
             "cpu_seconds_per_request": cpu,
-            "source": "vllm bench serve result JSON (client side, through examples/pd_proxy.py); CPU: psutil",
+            "ttft_parts_ms": ttft_parts(before, after, found.get("mean_ttft_ms")),
+            "source": "vllm bench serve result JSON (client side, through examples/pd_proxy.py); CPU: psutil; "
+            "ttft_parts_ms: both engines' vLLM metrics (TTFT_PARTS)",
         }
         if setup.sidecars:
             stages: dict[str, float] = {}

@@ -20,8 +20,9 @@ from sidecar.metrics import SidecarMetrics
 
 log = get_logger("kvsidecar.node")
 
-# After serving a handshake, poll NIXL this long so the caller's agents can connect to ours.
-_HANDSHAKE_WARM_SECONDS = 5.0
+# After serving a handshake, poll NIXL this long so the caller's agents can connect to ours (the
+# benchmarks wait it out before measuring a sidecar's idle CPU).
+HANDSHAKE_WARM_SECONDS = 5.0
 
 
 def check_compatibility(engine: Engine, their_hash: str, who: str, metrics: SidecarMetrics) -> None:
@@ -57,7 +58,7 @@ class Handshakes:
         await await_engine(self._ctx, request.engine_id)
         self._ctx.trace.learn(request.caller)
         engine = self._engine(request.engine_id, request.compatibility_hash, request.caller.address or "?")
-        self._ctx.transport.warm(_HANDSHAKE_WARM_SECONDS)
+        self._ctx.transport.warm(HANDSHAKE_WARM_SECONDS)
         return peer_pb2.HandshakeResponse(sidecar=self._ctx.identity.info(), engine=engine.descriptor())
 
     def local_engine_view(self, engine_id: str, compatibility_hash: str) -> EngineView:
