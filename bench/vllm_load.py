@@ -78,12 +78,15 @@ _BENCH_SERVE = (
 SERVED_MODEL = "tiny"  # the servers' --served-model-name (tests.support.vllm_engine.VllmServer)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
 # Not run unless named (bench.vllm_pd's rows): vLLM's connectors with kvsidecar's engine busy-loop cap,
-# and kvsidecar with its sidecars weighted as the systemd unit weights them.
+# kvsidecar with its sidecars weighted as the systemd unit weights them, and with its posts (on one
+# host: the copy) raised to SCHED_FIFO (nixl.post_priority=1).
 DIAGNOSTIC_CONFIGS = (
     "nixl-pull-fixed-busy-loop",
     "nixl-push-fixed-busy-loop",
     "kvsidecar-pull-weighted",
     "kvsidecar-push-weighted",
+    "kvsidecar-pull-post-priority",
+    "kvsidecar-push-post-priority",
 )
 PROXY = REPO / "examples" / "pd_proxy.py"
 # Where a request's TTFT went, from each engine's own vLLM histograms (the same for every connector):
