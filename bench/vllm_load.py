@@ -18,10 +18,13 @@ plus, for kvsidecar, each stage's mean ms per request from the sidecars' and eng
 (``sidecar.stages.stage_means``) and the NIXL descriptors per transfer.
 
 Layouts: ``contiguous`` (fresh servers: a request's blocks are mostly adjacent) and
-``fragmented`` (before measuring, both engines decode a batch of short-prompt, long-output
-requests at once, so their decode blocks interleave in the cache; when they finish, vLLM's free
-list hands those interleaved blocks to the next requests: every transfer is scattered, thousands
-of descriptors; kvsidecar's ``kvsidecar_transfer_descriptors`` shows it).
+``fragmented`` (a cache in its steady state: before measuring, both engines prefill prompts that
+together fill their whole KV cache, then decode a batch of short-prompt, long-output requests at
+once. vLLM hands out free blocks from the head of its free list and appends freed ones at the tail,
+a request's in reverse order: on fresh servers the next requests would get the never-used,
+adjacent blocks at the head, so every block is cycled once first; afterwards requests get blocks
+freed in reverse and interleaved order, and every transfer is scattered; the rows'
+``descriptors_per_transfer`` shows it).
 
 Run: ``python -m bench.vllm_load [--json bench/out/vllm_load.json] [--png ...] [--rates 1 2 4 inf]
 [--input-lens 1024 4096] [--output-len 64] [--num-prompts 64] [--layouts contiguous fragmented]
@@ -53,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.vllm_pd import (  # noqa: E402
     CONFIGS,
+    KV_BYTES_PER_TOKEN,
     MAX_MODEL_LEN,
     MODEL_SPEC,
     Bench,
@@ -89,6 +93,17 @@ DIAGNOSTIC_CONFIGS = (
     "kvsidecar-push-post-priority",
 )
 PROXY = REPO / "examples" / "pd_proxy.py"
+# The fragmented layout's cache-cycling prompts: long (few requests), well under MAX_MODEL_LEN.
+CYCLE_PROMPT_TOKENS = 4096
+
+
+def cycling_prompts(kv_space_gib: float) -> int:
+    """How many ``CYCLE_PROMPT_TOKENS`` prompts fill a ``kv_space_gib`` KV cache, plus one: every
+    block is then allocated (and freed) at least once."""
+    cache_tokens = int(kv_space_gib * 2**30) // KV_BYTES_PER_TOKEN
+    return -(-cache_tokens // CYCLE_PROMPT_TOKENS) + 1
+
+
 # Where a request's TTFT went, from each engine's own vLLM histograms (the same for every connector):
 # part -> (engine, histogram). vLLM records a request SCHEDULED only once it is scheduled to compute,
 # so D's queue time includes the wait for its KV (a remote load holds it in WAITING_FOR_REMOTE_KVS).
@@ -185,23 +200,35 @@ class LoadBench:
         return proxy, url
 
     async def fragment(self, setup: Setup) -> None:
-        """Interleave decode blocks in both engines' caches (see the module doc)."""
+        """Scatter both engines' free blocks (see the module doc): cycle every block of each cache
+        once with prefill-only requests, then interleave decode blocks."""
         timeout = aiohttp.ClientTimeout(total=self.args.request_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
 
-            async def one(url: str, index: int) -> None:
+            async def one(url: str, seed: int, prompt_tokens: int, max_tokens: int) -> None:
                 body = {
                     "model": SERVED_MODEL,
-                    "prompt": prompt_words(16, 90_000 + index),
-                    "max_tokens": self.args.fragment_tokens,
+                    "prompt": prompt_words(prompt_tokens, seed),
+                    "max_tokens": max_tokens,
                     "ignore_eos": True,
                     "temperature": 0.0,
                 }
                 async with session.post(f"{url}/v1/completions", json=body) as response:
+                    if response.status != 200:
+                        raise RuntimeError(
+                            f"fragmenting request to {url}: HTTP {response.status}: {await response.text()}"
+                        )
                     await response.read()
 
             servers = (setup.prefill.url, setup.decode.url)
-            await asyncio.gather(*(one(url, i) for url in servers for i in range(self.args.fragment_batch)))
+            cycles = cycling_prompts(self.args.kv_space_gib)
+            await asyncio.gather(
+                *(one(url, 80_000 + i, CYCLE_PROMPT_TOKENS, 1) for url in servers for i in range(cycles))
+            )
+            batch = range(self.args.fragment_batch)
+            await asyncio.gather(
+                *(one(url, 90_000 + i, 16, self.args.fragment_tokens) for url in servers for i in batch)
+            )
 
     def load(self, url: str, input_len: int, rate: str, result: Path, num_prompts: int, seed: int) -> Group:
         """``vllm bench serve`` against ``url``; a distinct ``seed`` per run, so no prompt is a

@@ -1,10 +1,10 @@
-"""``bench.vllm_load.ttft_parts``: where a load cell's mean TTFT went, from both engines' own vLLM
-histograms between two metric snapshots, for kvsidecar setups (vLLM's metrics next to the
-sidecars') and vLLM's own connectors alike."""
+"""``bench.vllm_load``'s pure parts: ``ttft_parts`` (where a load cell's mean TTFT went, from both
+engines' own vLLM histograms between two metric snapshots, for kvsidecar setups and vLLM's own
+connectors alike) and ``cycling_prompts`` (the fragmented layout cycles every block of the cache)."""
 
 from __future__ import annotations
 
-from bench.vllm_load import ttft_parts
+from bench.vllm_load import CYCLE_PROMPT_TOKENS, KV_BYTES_PER_TOKEN, MAX_MODEL_LEN, cycling_prompts, ttft_parts
 
 _LABELS = '{engine="0",model_name="tiny"}'
 
@@ -50,3 +50,14 @@ def test_an_engine_without_samples_gives_no_parts_and_no_rest() -> None:
     after = {"P": _engine(1.0, 1.0, 1), "D": {}}
 
     assert ttft_parts(before, after, mean_ttft_ms=3000.0) == {"P queue": 1000.0, "P prefill": 1000.0}
+
+
+def test_the_fragmented_layout_allocates_more_than_the_whole_cache_in_prompts_the_model_takes() -> None:
+    assert CYCLE_PROMPT_TOKENS < MAX_MODEL_LEN
+    for gib in (1, 2, 0.5):
+        cache_tokens = int(gib * 2**30) // KV_BYTES_PER_TOKEN
+        prompts = cycling_prompts(gib)
+        # Every block is handed out at least once (the free list's fresh head is used up) ...
+        assert prompts * CYCLE_PROMPT_TOKENS > cache_tokens
+        # ... without cycling it needlessly twice.
+        assert (prompts - 2) * CYCLE_PROMPT_TOKENS < cache_tokens
