@@ -214,9 +214,11 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
     config = ShimConfig(sidecar_socket=str(side.socket), rpc_timeout=5.0)
     scheduler = SchedulerSide(vllm_config(), kv_cache_config, config)  # type: ignore[arg-type]
     submitted: list[concurrent.futures.Future[Any]] = []
+    held_until_ms: list[int] = []  # what each SubmitBlocks told the sidecar to hold vouched blocks until
     submit = scheduler.client.submit_blocks_async
 
     def record(*args: Any, **kwargs: Any) -> Any:  # the real call; the test waits for its answer
+        held_until_ms.append(kwargs.get("vouched_until_ms", 0))
         submitted.append(submit(*args, **kwargs))
         return submitted[-1]
 
@@ -240,7 +242,7 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
             assert time.monotonic() < deadline, "the shim never learned its sidecar's address"
             time.sleep(0.05)
         first = finish("r1", [3, 4])  # no key yet: offered unvouched (consumers confirm with P's sidecar)
-        assert PARAM_VOUCHER not in first
+        assert PARAM_VOUCHER not in first and held_until_ms[0] == 0
         key = submitted[0].result(timeout=10).voucher_key
         deadline = time.monotonic() + 10
         while scheduler._voucher_terms[0] != key:  # set by the answer's callback thread
@@ -249,6 +251,7 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
         # Blocks past the engine's 64: the sidecar refuses this submission, after the shim signed it.
         second = finish("r2", [100, 101])
         until_ms = second[PARAM_VOUCHED_UNTIL_MS]
+        assert held_until_ms[1] == until_ms  # the sidecar is told to hold them as long
         assert voucher.verify(key, bytes.fromhex(second[PARAM_VOUCHER]), "decode-0", "r2", [[100, 101]], until_ms)
         offered = time.monotonic()
         assert submitted[1].exception(timeout=10) is not None  # INVALID_ARGUMENT from the real sidecar
