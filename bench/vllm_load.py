@@ -91,6 +91,8 @@ DIAGNOSTIC_CONFIGS = (
     "kvsidecar-push-weighted",
     "kvsidecar-pull-post-priority",
     "kvsidecar-push-post-priority",
+    "kvsidecar-pull-idle-wait-2ms",
+    "kvsidecar-push-idle-wait-2ms",
 )
 PROXY = REPO / "examples" / "pd_proxy.py"
 # The fragmented layout's cache-cycling prompts: long (few requests), well under MAX_MODEL_LEN.

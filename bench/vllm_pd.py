@@ -196,6 +196,11 @@ CONFIGS: dict[str, Config] = {
             shim_config=(("engine_busy_loop", 0.0002),),
         ),
         *_kvsidecar_ab(
+            "idle-wait-2ms",
+            "an engine step that only waits for KV blocks up to 2 ms (idle_wait=0.002, the default before input_wake)",
+            shim_config=(("idle_wait", 0.002),),
+        ),
+        *_kvsidecar_ab(
             "idle-wait-5ms",
             "an engine step that only waits for KV blocks up to 5 ms (idle_wait=0.005)",
             shim_config=(("idle_wait", 0.005),),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -176,3 +177,26 @@ def test_a_step_that_computes_or_has_nothing_outstanding_never_waits(worker: Any
     sender.join()
     assert finished == set() and took < 10.0
     assert _step(worker, idle=False)[0] == {"b"}
+
+
+def test_input_reaching_the_engine_core_ends_an_idle_wait(worker: Any) -> None:
+    # The EngineCore side as the scheduler role sets it up, on a plain queue standing in for
+    # vLLM's input queue (tests/test_vllm_upstream.py checks a real EngineCore gets it).
+    from engine_shim.vllm.input_wake import InputWaker, socket_name, wake_workers_on_input
+
+    assert worker.worker_side._wake_listener.start()
+    input_queue: queue.Queue[Any] = queue.Queue()
+    waker = InputWaker([socket_name("idle-D", 0, 0, 0)])
+    wake_workers_on_input(input_queue, waker)
+    _step(worker, idle=False, recv_started={"c": (time.monotonic(), [5])})
+    request = threading.Timer(0.2, input_queue.put_nowait, (("ADD", "a new request"),))
+    request.start()
+    finished, took = _step(worker, idle=True)
+    request.join()
+    assert finished == set() and took < 10.0  # woken by the request, not by the 30 s bound
+    assert input_queue.get_nowait() == ("ADD", "a new request")  # the queue still works as vLLM's
+    # The receive is still outstanding: its event is applied by the next idle step.
+    sender = _later(worker, "c", 0.2)
+    assert _step(worker, idle=True)[0] == {"c"}
+    sender.join()
+    waker.close()

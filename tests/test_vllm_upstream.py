@@ -278,6 +278,11 @@ def test_toy_proxy_pull(stack: Stack) -> None:
     ]
     assert any("EngineCore" in line for line in capped), capped
     assert any("Worker" in line for line in capped), capped
+    # A request reaching D's EngineCore ends its workers' idle waits (input_wake): the EngineCore
+    # found vLLM's input queue and the worker listens.
+    log = stack.decode.log_path.read_text(errors="replace")
+    assert "input to the EngineCore wakes 1 idle worker(s)" in log
+    assert "idle steps wake on input to the EngineCore" in log
 
 
 def test_multiturn_proxy_pull(stack: Stack) -> None:

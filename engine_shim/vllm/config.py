@@ -56,8 +56,9 @@ class ShimConfig:
     push_timeout: float = 0.0  # ExpectPush watchdog, enforced by the sidecar
     recv_watchdog: float = 900.0  # last-resort bound on a receive with no terminal event
     # In a step that computes nothing while transfers are outstanding, the worker waits up to this
-    # long for their next event instead of returning at once (0 = never wait); see WorkerSide.
-    idle_wait: float = 0.002
+    # long for their next event instead of returning at once (0 = never wait); anything reaching
+    # the EngineCore ends the wait sooner (input_wake). See WorkerSide._wait_for_event.
+    idle_wait: float = 0.02
     # How long vLLM's shm queue readers in this engine busy-loop after a read before they sleep
     # (vLLM: 1 s); below idle_wait, so an engine that only waits for KV leaves the cores to the
     # sidecar. Negative = leave vLLM's. See engine_spin.

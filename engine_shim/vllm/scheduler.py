@@ -33,6 +33,7 @@ from vllm.logger import init_logger
 from engine_shim.client import Future, SidecarClient, remote
 from engine_shim.vllm import multiturn
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
+from engine_shim.vllm.input_wake import InputWaker, engine_input_queue, socket_name, wake_workers_on_input
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.params import flat, grouped, peer_address, split_address, voucher_of
 from engine_shim.vllm.stats import SidecarKVConnectorStats
@@ -126,6 +127,7 @@ class SchedulerSide:
         self._transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         self._all_groups = len(self._transfer_groups) == len(kv_cache_config.kv_cache_groups)
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
+        self._input_waker = self._wake_idle_workers_on_input(vllm_config.parallel_config.data_parallel_rank)
         # This sidecar's PeerService address, returned to routers as remote_host/remote_port.
         self._address: str | None = None
         self._address_future: Future[Any] | None = None
@@ -182,6 +184,29 @@ class SchedulerSide:
         except Exception:
             pass
         self.client.close()
+        if self._input_waker is not None:
+            self._input_waker.close()
+
+    def _wake_idle_workers_on_input(self, dp_rank: int) -> InputWaker | None:
+        """Have everything that reaches this EngineCore end its workers' idle waits (input_wake)."""
+        if self.config.idle_wait <= 0:
+            return None
+        input_queue = engine_input_queue()
+        if input_queue is None:
+            logger.info("SidecarConnector: no EngineCore input queue found; idle steps end at idle_wait")
+            return None
+        names = [
+            socket_name(self.engine_id, dp_rank, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)
+        ]
+        waker = InputWaker(names)
+        try:
+            wake_workers_on_input(input_queue, waker)
+        except TypeError as exc:
+            waker.close()
+            logger.warning("SidecarConnector: idle steps end only at idle_wait (%s)", exc)
+            return None
+        logger.info("SidecarConnector: input to the EngineCore wakes %d idle worker(s)", len(waker.names))
+        return waker
 
     @property
     def offers_kv(self) -> bool:

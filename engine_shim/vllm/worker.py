@@ -6,13 +6,15 @@ sidecar (``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step cal
 (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
 that in a step where vLLM scheduled no token while transfers are outstanding,
 ``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
-otherwise spin; the event is then applied in that step). Each request's call -> event seen ->
-step applied times go to the stats (``vllm:kvsidecar_call_to_event_seconds`` and
-``_event_to_step_seconds``).
+otherwise step again and again and take the cores the sidecars need; the event is then applied in
+that step). Anything reaching the EngineCore meanwhile ends the wait (``input_wake``). Each
+request's call -> event seen -> step applied times go to the stats
+(``vllm:kvsidecar_call_to_event_seconds`` and ``_event_to_step_seconds``).
 
 Threads: vLLM's worker thread calls every method and owns all request state. One ``EventWatcher``
 thread per registration puts events on ``_inbox``; a supervisor thread re-registers after the
-stream closes (a restarted sidecar) and announces it through the same queue.
+stream closes (a restarted sidecar) and announces it through the same queue; the wake listener's
+thread puts ``_WAKE`` there when the EngineCore received a request.
 
 How failures reach vLLM: a request call the scheduler saw fail arrives in the step's metadata; the
 worker puts the request in ``finished_recving`` *and* ``failed_recving`` (and its blocks in the
@@ -42,6 +44,7 @@ from vllm.logger import init_logger
 from engine_shim.client import EventWatcher, SidecarClient
 from engine_shim.vllm.compat import cache_dtype, compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
 from engine_shim.vllm.config import ROLES, ShimConfig
+from engine_shim.vllm.input_wake import WakeListener, socket_name
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.stats import SidecarKVConnectorStats
@@ -66,6 +69,13 @@ class _StreamClosed:
 class _Connected:
     generation: int
     sidecar_id: str
+
+
+class _Wake:
+    """Put on the inbox when the EngineCore received something (``input_wake``): ends an idle wait."""
+
+
+_WAKE = _Wake()
 
 
 @dataclass
@@ -97,8 +107,14 @@ class WorkerSide:
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
         # Events carry the time.monotonic() the watcher thread received them (the stage timings).
-        self._inbox: queue.SimpleQueue[tuple[engine_pb2.Event, float] | _StreamClosed | _Connected] = (
+        self._inbox: queue.SimpleQueue[tuple[engine_pb2.Event, float] | _StreamClosed | _Connected | _Wake] = (
             queue.SimpleQueue()
+        )
+        # Ends an idle step's wait when a request reaches the EngineCore (input_wake); its thread
+        # only puts on the inbox.
+        self._wake_listener = WakeListener(
+            socket_name(self.engine_id, vllm_config.parallel_config.data_parallel_rank, self.tp_rank, self.pp_rank),
+            lambda: self._inbox.put(_WAKE),
         )
         self._allocation: ShmKvAllocation | None = None
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
@@ -155,6 +171,8 @@ class WorkerSide:
             self._need_connect.set()
         self._supervisor = threading.Thread(target=self._supervise, name="kvsidecar-shim-supervisor", daemon=True)
         self._supervisor.start()
+        if self.config.idle_wait > 0:
+            self._wake_listener.start()
         atexit.register(self._close_shm)
 
     def _build_registration(self, kv_caches: Mapping[str, torch.Tensor]) -> engine_pb2.RegisterWorkerRequest:
@@ -369,9 +387,11 @@ class WorkerSide:
     def _wait_for_event(self) -> None:
         """In a step that computes nothing, with transfers outstanding and no outcome to report yet:
         block on the inbox for up to ``idle_wait`` instead of returning to vLLM's engine loop, which
-        would step again after 1 ms and spin a core meanwhile. Frees the core for the sidecar on a
-        small box and applies the event in this step instead of the next. Bounded, so a new request
-        arriving at the engine waits at most ``idle_wait`` more."""
+        would step again after 1 ms, spinning its shared-memory queues between steps. Frees the
+        cores for the sidecars on a small box and applies the event in this step instead of the
+        next. A request, abort or shutdown reaching the EngineCore ends the wait at once
+        (``input_wake``); without that wake-up (an in-process engine, an unbindable name) it waits
+        at most ``idle_wait`` more."""
         if self.config.idle_wait <= 0 or not (self._receives or self._sends):
             return
         if self._done_recving or self._done_sending or self._failed_recving:
@@ -392,9 +412,11 @@ class WorkerSide:
                 return
             self._apply(item)
 
-    def _apply(self, item: tuple[engine_pb2.Event, float] | _StreamClosed | _Connected) -> None:
+    def _apply(self, item: tuple[engine_pb2.Event, float] | _StreamClosed | _Connected | _Wake) -> None:
         if isinstance(item, tuple):
             self._on_event(*item)
+        elif isinstance(item, _Wake):
+            return
         elif isinstance(item, _Connected):
             self._active_generation = item.generation
             self.connected = True
@@ -500,6 +522,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._stopping.set()
         self._need_connect.set()
+        self._wake_listener.close()
         with self._watcher_lock:
             watcher, self._watcher = self._watcher, None
         if watcher is not None:
