@@ -53,6 +53,11 @@ def parallel_ranks(vllm_config: VllmConfig) -> tuple[int, int, int, int]:
     return tp_rank, tp_size, pp_rank, pp_size
 
 
+def data_parallel_rank(vllm_config: VllmConfig) -> int:
+    """This engine's data-parallel rank (0 where the config has none)."""
+    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+
+
 def _attention_backends(vllm_config: VllmConfig) -> str:
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends

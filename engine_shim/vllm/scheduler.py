@@ -7,6 +7,8 @@ their usual keys and meanings (``remote_host``/``remote_port`` name the producer
 Threads: vLLM's scheduler thread calls every method and owns every dict and set here. gRPC
 callback threads complete the futures and only append to the deques ``_failures`` and
 ``_lost_news`` or set plain flags (``_down``, ``_address``); the scheduler thread drains the deques.
+Whichever thread puts on the EngineCore's input queue (vLLM's input thread) also sends the workers'
+wake-ups through ``_input_waker`` (``input_wake``), which holds no state of this class.
 
 How failures reach vLLM: a request call the sidecar refused (or a sidecar that is down) is
 reported to the workers in the next step's metadata (``SidecarConnectorMetadata.recv_failed`` /
@@ -32,6 +34,7 @@ from vllm.logger import init_logger
 
 from engine_shim.client import Future, SidecarClient, remote
 from engine_shim.vllm import multiturn
+from engine_shim.vllm.compat import data_parallel_rank
 from engine_shim.vllm.config import MODES, BlockIds, ShimConfig
 from engine_shim.vllm.input_wake import InputWaker, engine_input_queue, socket_name, wake_workers_on_input
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
@@ -127,7 +130,7 @@ class SchedulerSide:
         self._transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         self._all_groups = len(self._transfer_groups) == len(kv_cache_config.kv_cache_groups)
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
-        self._input_waker = self._wake_idle_workers_on_input(vllm_config.parallel_config.data_parallel_rank)
+        self._input_waker = self._wake_idle_workers_on_input(data_parallel_rank(vllm_config))
         # This sidecar's PeerService address, returned to routers as remote_host/remote_port.
         self._address: str | None = None
         self._address_future: Future[Any] | None = None

@@ -42,7 +42,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, SidecarClient
-from engine_shim.vllm.compat import cache_dtype, compat_factors, is_cpu, kv_layout_of, parallel_ranks, vllm_version
+from engine_shim.vllm.compat import (
+    cache_dtype,
+    compat_factors,
+    data_parallel_rank,
+    is_cpu,
+    kv_layout_of,
+    parallel_ranks,
+    vllm_version,
+)
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.input_wake import WakeListener, socket_name
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
@@ -113,7 +121,7 @@ class WorkerSide:
         # Ends an idle step's wait when a request reaches the EngineCore (input_wake); its thread
         # only puts on the inbox.
         self._wake_listener = WakeListener(
-            socket_name(self.engine_id, vllm_config.parallel_config.data_parallel_rank, self.tp_rank, self.pp_rank),
+            socket_name(self.engine_id, data_parallel_rank(vllm_config), self.tp_rank, self.pp_rank),
             lambda: self._inbox.put(_WAKE),
         )
         self._allocation: ShmKvAllocation | None = None
