@@ -273,14 +273,12 @@ def test_toy_proxy_pull(stack: Stack) -> None:
     assert stack.vouched_reads() > vouched_before, "no pull read on P's voucher"
     # The shim capped the shm queue busy loop in both of D's engine processes (engine_spin), so an
     # engine that only waits for KV leaves the cores to the sidecar.
-    capped = [
-        line for line in stack.decode.log_path.read_text(errors="replace").splitlines() if "busy-loop at most" in line
-    ]
+    log = stack.decode.log_path.read_text(errors="replace")
+    capped = [line for line in log.splitlines() if "busy-loop at most" in line]
     assert any("EngineCore" in line for line in capped), capped
     assert any("Worker" in line for line in capped), capped
     # A request reaching D's EngineCore ends its workers' idle waits (input_wake): the EngineCore
     # found vLLM's input queue and the worker listens.
-    log = stack.decode.log_path.read_text(errors="replace")
     assert "input to the EngineCore wakes 1 idle worker(s)" in log
     assert "idle steps wake on input to the EngineCore" in log
 

@@ -53,7 +53,6 @@ class WakeListener:
         self.name = name
         self._on_wake = on_wake
         self._socket: socket.socket | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> bool:
         """Bind and start listening; False (and a log line) where that is not possible, e.g. the
@@ -72,8 +71,7 @@ class WakeListener:
             )
             return False
         self._socket = sock
-        self._thread = threading.Thread(target=self._listen, name="kvsidecar-shim-wake", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._listen, name="kvsidecar-shim-wake", daemon=True).start()
         logger.info("SidecarConnector: this worker's idle steps wake on input to the EngineCore")
         return True
 
