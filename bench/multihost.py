@@ -51,7 +51,7 @@ def outer(args: argparse.Namespace) -> int:
 
 def inside(args: argparse.Namespace) -> int:
     from engine_shim.memory import KvLayout
-    from sidecar.tools.bench import RawNixl, Row, Scenario, _kvsidecar_path, block_sets, measure, render
+    from sidecar.tools.bench import RawNixl, Row, Scenario, block_sets, kvsidecar_path, measure, render
     from sidecar.tools.launcher import DaemonProcess
     from sidecar.tools.workload import TransferPair
 
@@ -75,8 +75,8 @@ def inside(args: argparse.Namespace) -> int:
         raw = RawNixl(pair, separate_process=True, target_wrapper=d_wrapper, target_poll_s=0.00005)
         try:
             paths = {
-                "kvsidecar-pull": _kvsidecar_path(pair, "pull"),
-                "kvsidecar-push": _kvsidecar_path(pair, "push"),
+                "kvsidecar-pull": kvsidecar_path(pair, "pull"),
+                "kvsidecar-push": kvsidecar_path(pair, "push"),
                 "raw-nixl-2proc": raw.transfer,
             }
             for scenario in plan:

@@ -55,6 +55,12 @@ class SharedBuffer:
             owner_locked=True,
         )
 
+    def upload(self) -> None:
+        """Nothing to do: the sidecar maps these very pages (``CudaBuffer`` copies to its device)."""
+
+    def download(self) -> None:
+        """Nothing to do: ``array`` is the memory itself."""
+
     def close(self) -> None:
         """Remove the file's name and drop this process's mapping (the memory goes when the
         sidecar unmaps it too). Views of ``array`` must not be used afterwards."""

@@ -1,8 +1,9 @@
 """A simulated engine: plain Python owning KV blocks in shared memory and talking to the sidecar
 through ``SidecarClient``, standing in for vLLM's workers in the demo, the benchmark and tests.
 
-Each worker owns one ``SharedBuffer`` laid out as ``KvLayout`` (layer-major), registers it, and
-drains its WatchEvents stream. Block contents are a deterministic pattern of (seed, rank, layer,
+Each worker owns one ``SharedBuffer`` (or, with ``memory="cuda"``, a ``CudaBuffer``: GPU memory
+exported over CUDA IPC) laid out as ``KvLayout`` (layer-major), registers it, and drains its
+WatchEvents stream. Block contents are a deterministic pattern of (seed, rank, layer,
 block), so a receiver can check every byte without seeing the sender. For engines that differ in
 block size, layout or TP, ``fill_tokens`` / ``verify_tokens`` write and check *logical* content
 instead: a pattern of (seed, layer, token, global head) placed by the engine's own layout
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from engine_shim.client import EventWatcher, SidecarClient, remote
+from engine_shim.cuda_memory import CudaBuffer
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.v1 import common_pb2, engine_pb2
 
@@ -55,10 +57,23 @@ def logical_content(seed: int, layer: int, num_tokens: int, heads: int, chunk: i
 HEAD_MAJOR_NAMES = frozenset({"HND", "LBHNC"})
 
 
+KvBuffer = SharedBuffer | CudaBuffer
+MEMORY_KINDS = ("shm", "cuda")
+
+
+def make_buffer(memory: str, size: int, populate: bool, cuda_device: int) -> KvBuffer:
+    """A worker's KV buffer: shared memory (DRAM), or GPU memory exported over CUDA IPC."""
+    if memory == "cuda":
+        return CudaBuffer(size, cuda_device)
+    if memory == "shm":
+        return SharedBuffer(size, populate=populate)
+    raise ValueError(f"unknown memory kind {memory!r} (one of {', '.join(MEMORY_KINDS)})")
+
+
 @dataclass
 class SimulatedWorker:
     rank: int
-    buffer: SharedBuffer
+    buffer: KvBuffer
     client: SidecarClient
     watcher: EventWatcher | None = None
     registration: engine_pb2.RegisterWorkerResponse | None = None
@@ -66,7 +81,9 @@ class SimulatedWorker:
 
 @dataclass
 class SimulatedEngine:
-    """An engine with ``tp_size`` workers, each with its own shared buffer and event stream."""
+    """An engine with ``tp_size`` workers, each with its own KV buffer and event stream. With
+    ``memory="cuda"`` the buffers are GPU memory: the content methods below work on each buffer's
+    host mirror and move it to or from the device around their work."""
 
     socket_path: Path
     engine_id: str
@@ -74,6 +91,8 @@ class SimulatedEngine:
     layout: KvLayout
     tp_size: int = 1
     compat_factors: dict[str, str] = field(default_factory=lambda: {"model": "simulated"})
+    memory: str = "shm"
+    cuda_device: int = 0
     workers: list[SimulatedWorker] = field(default_factory=list)
 
     def start(
@@ -87,7 +106,7 @@ class SimulatedEngine:
         callback (with the worker's rank) instead of the watcher's queue."""
         per_rank = self.layout
         for rank in range(self.tp_size):
-            buffer = SharedBuffer(per_rank.total_bytes, populate=populate)
+            buffer = make_buffer(self.memory, per_rank.total_bytes, populate, self.cuda_device)
             client = SidecarClient(self.socket_path, timeout=timeout)
             worker = SimulatedWorker(rank, buffer, client)
             self.workers.append(worker)
@@ -124,13 +143,25 @@ class SimulatedEngine:
     def block(self, rank: int, layer: int, block: int) -> np.ndarray:
         return self.workers[rank].buffer.array[self.layout.block_slice(layer, block)]
 
+    def download(self) -> None:
+        """Bring every worker's host mirror up to date (no-op for shared memory)."""
+        for worker in self.workers:
+            worker.buffer.download()
+
+    def upload(self) -> None:
+        """Send every worker's host mirror to its device (no-op for shared memory)."""
+        for worker in self.workers:
+            worker.buffer.upload()
+
     def fill(self, block_ids: Sequence[int], seed: int) -> None:
+        self.download()
         for worker in self.workers:
             for layer in range(self.layout.num_layers):
                 for block in block_ids:
                     self.block(worker.rank, layer, block)[:] = pattern(
                         seed, worker.rank, layer, block, self.layout.block_len
                     )
+        self.upload()
 
     @property
     def chunk(self) -> int:
@@ -158,18 +189,21 @@ class SimulatedEngine:
     def fill_tokens(self, block_ids: Sequence[int], num_tokens: int, seed: int) -> None:
         """Write tokens [0, num_tokens) of a request into ``block_ids`` (logical content)."""
         heads = self.layout.num_kv_heads
+        self.download()
         for layer in range(self.layout.num_layers):
             content = logical_content(seed, layer, num_tokens, heads * self.tp_size, self.chunk)
             for worker in self.workers:
                 mine = content[:, worker.rank * heads : (worker.rank + 1) * heads]
                 for block, start, count in self._token_blocks(block_ids, 0, num_tokens):
                     self._token_major(worker.rank, layer, block)[:count] = mine[start : start + count]
+        self.upload()
 
     def verify_tokens(self, block_ids: Sequence[int], first_token: int, num_tokens: int, seed: int) -> dict[str, Any]:
         """Check tokens [first_token, num_tokens) in ``block_ids`` (the first block starts at
         ``first_token``) against the logical content, and that the last block's slots past
         ``num_tokens`` are still zero (nothing was written beyond the request)."""
         heads = self.layout.num_kv_heads
+        self.download()
         bad: list[list[int]] = []
         tail_dirty = 0
         checked = 0
@@ -189,6 +223,7 @@ class SimulatedEngine:
     def clear(self) -> None:
         for worker in self.workers:
             worker.buffer.array[:] = 0
+        self.upload()
 
     def close(self) -> None:
         for worker in self.workers:
@@ -243,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-layout", default="LBHNC", help="HND/LBHNC, NHD/LBNHC, or any opaque name")
     parser.add_argument("--head-size", type=int, default=0, help="stated head size (0: not stated)")
     parser.add_argument("--dtype", default="", help="stated KV dtype ('': not stated)")
+    parser.add_argument(
+        "--memory", choices=MEMORY_KINDS, default="shm", help="where the KV lives: shared memory, or a GPU (CUDA IPC)"
+    )
+    parser.add_argument("--cuda-device", type=int, default=0, help="the GPU of --memory cuda")
     args = parser.parse_args(argv)
 
     lock = threading.Lock()
@@ -279,13 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     def closed(rank: int, reason: str) -> None:
         emit({"event": "STREAM_CLOSED", "rank": rank, "reason": reason})
 
-    engine = SimulatedEngine(args.socket, args.engine_id, args.role, layout, args.tp, {"model": args.model})
+    engine = SimulatedEngine(
+        args.socket, args.engine_id, args.role, layout, args.tp, {"model": args.model}, args.memory, args.cuda_device
+    )
     engine.start(on_event=forward, on_closed=closed)
     emit(
         {
             "ready": {
                 "peer_address": engine.peer_address,
-                "buffers": [str(worker.buffer.path) for worker in engine.workers],
+                "buffers": [str(w.buffer.path) for w in engine.workers if isinstance(w.buffer, SharedBuffer)],
                 "pid": os.getpid(),
             }
         }

@@ -60,7 +60,7 @@ def route_foreign_loggers() -> None:
     lowered to WARNING unless we log at DEBUG.
     """
     debug = logging.getLogger().level <= logging.DEBUG
-    for name in ("nixl", "nixl_cu12", "grpc", "asyncio"):
+    for name in ("nixl", "nixl_cu12", "nixl_cu13", "grpc", "asyncio"):
         foreign = logging.getLogger(name)
         foreign.handlers[:] = []
         foreign.propagate = True

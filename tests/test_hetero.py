@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.processes import EngineProcess, SidecarProcess, wait_until
+from tests.support.processes import EngineProcess, SidecarProcess, start_transfer, wait_until
 
-PUSH = 2  # common_pb2.TRANSFER_MODE_PUSH
 P_BLOCK_SIZE = 16
 RATIOS = {"1/4": 64, "1/2": 32, "1": 16, "2": 8, "4": 4}  # P's block size / D's -> D's block size
 LAYOUTS = {"same": ("HND", "HND"), "NHD->HND": ("NHD", "HND"), "HND->NHD": ("HND", "NHD")}
@@ -102,15 +101,7 @@ class Rig:
         d_blocks = self.rng.sample(range(BLOCKS), -(-TOKENS // d_size) - hit_blocks)
         assert producer.command("fill_tokens", blocks=p_blocks, num_tokens=TOKENS, seed=seed)["ok"]
         assert consumer.command("clear")["ok"]
-        remote = {"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request}
-        if cell.mode == "pull":
-            assert producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS)["ok"]
-            remote |= {"blocks": [p_blocks], "num_tokens": TOKENS}
-            reply = consumer.command("pull", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)
-        else:
-            reply = consumer.command("expect_push", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)
-            assert reply["ok"], reply
-            reply = producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS, mode=PUSH)
+        reply = start_transfer(producer, consumer, cell.mode, request, p_blocks, d_blocks, TOKENS)
         assert reply["ok"], reply
         events = consumer.wait_event(f"{request}-d", 30)
         assert {e["event"] for e in events} == {"FINISHED_RECEIVING"}, (cell, events)
@@ -157,18 +148,6 @@ def _pair(sidecars, engines, p_shape: dict, d_shape: dict, integrity: bool = Tru
     return engines(p_side, "P", "producer", **shape_p), engines(d_side, "D", "consumer", **shape_d), p_side, d_side
 
 
-def _start(producer: EngineProcess, consumer: EngineProcess, mode: str, request: str, p_blocks, d_blocks) -> None:
-    remote = {"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request}
-    if mode == "pull":
-        assert producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS)["ok"]
-        remote |= {"blocks": [p_blocks], "num_tokens": TOKENS}
-        assert consumer.command("pull", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)["ok"]
-    else:
-        assert consumer.command("expect_push", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)["ok"]
-        reply = producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=TOKENS, mode=PUSH)
-        assert reply["ok"], reply
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "differs,p_value,d_value", [("dtype", "float16", "bfloat16"), ("head_size", 16, 32)], ids=["dtype", "head_size"]
@@ -179,7 +158,8 @@ def test_what_cannot_be_converted_is_refused_naming_both_sides(sidecars, engines
     producer, consumer, p_side, d_side = _pair(
         sidecars, engines, {differs: p_value}, {differs: d_value, "block_size": 8, "block_len": 8 * TOTAL_HEADS * CHUNK}
     )
-    _start(producer, consumer, mode, "refused", list(range(10)), list(range(19)))
+    reply = start_transfer(producer, consumer, mode, "refused", list(range(10)), list(range(19)), TOKENS)
+    assert reply["ok"], reply
     events = consumer.wait_event("refused-d", 30)
     assert {e["event"] for e in events} == {"LOAD_FAILED"}, events
     reason = events[0]["reason"]
@@ -232,14 +212,8 @@ def test_large_staged_request_moves_in_pipelined_groups(sidecars, engines, mode)
     consumer = engines(d_side, "D", "consumer", kv_layout="HND", **shape)
     p_blocks, d_blocks = list(range(32)), list(range(39, 7, -1))
     assert producer.command("fill_tokens", blocks=p_blocks, num_tokens=512, seed=9)["ok"]
-    remote = {"address": producer.peer_address, "engine_id": "P", "request_id": "big"}
-    if mode == "pull":
-        assert producer.command("submit", request_id="big", blocks=[p_blocks], num_tokens=512)["ok"]
-        remote |= {"blocks": [p_blocks], "num_tokens": 512}
-        assert consumer.command("pull", request_id="big-d", blocks=[d_blocks], remote=remote)["ok"]
-    else:
-        assert consumer.command("expect_push", request_id="big-d", blocks=[d_blocks], remote=remote)["ok"]
-        assert producer.command("submit", request_id="big", blocks=[p_blocks], num_tokens=512, mode=PUSH)["ok"]
+    reply = start_transfer(producer, consumer, mode, "big", p_blocks, d_blocks, 512)
+    assert reply["ok"], reply
     assert [e["event"] for e in consumer.wait_event("big-d", 60)] == ["FINISHED_RECEIVING"]
     assert [e["event"] for e in producer.wait_event("big", 60)] == ["FINISHED_SENDING"]
     check = consumer.command("verify_tokens", blocks=d_blocks, first_token=0, num_tokens=512, seed=9)

@@ -3,6 +3,7 @@ the mapping when a worker goes."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
@@ -16,10 +17,14 @@ import grpc
 import pytest
 
 from engine_shim.client import SidecarClient
+from engine_shim.cuda_memory import cuda_available, ipc_handle
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from engine_shim.simulated import make_buffer
 from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
+from sidecar.dataplane.cuda_ipc import handle_struct
 from sidecar.dataplane.memory import ExportSpec, MemoryImporter
+from sidecar.dataplane.transport import nixl_package
 from sidecar.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from tests.support.processes import EngineProcess, wait_until
 
@@ -74,10 +79,80 @@ def test_a_file_of_another_user_is_refused_when_the_caller_must_own_it() -> None
         importer.release(importer.map(spec, "exports[0]", owner_uid=os.getuid()))  # its own file maps
 
 
+@pytest.mark.skipif(cuda_available() is None, reason="a GPU is present here: tests/test_gpu.py covers VRAM")
 def test_vram_without_a_gpu_is_failed_precondition_with_a_clear_message() -> None:
     importer = MemoryImporter([Path("/dev/shm")])
     with pytest.raises(FailedPrecondition, match="GPU"):
         importer.map(ExportSpec("VRAM", "", b"\0" * 64, 0, 1 << 20, 0), "exports[0]")
+    with pytest.raises(InvalidArgument, match="must be 64 bytes, got 16"):
+        importer.map(ExportSpec("VRAM", "", b"\0" * 16, 0, 1 << 20, 0), "exports[0]")
+
+
+@pytest.mark.skipif(cuda_available() is None, reason="a GPU is present here: tests/test_gpu.py covers VRAM")
+def test_a_simulated_engine_asked_for_gpu_memory_without_a_gpu_says_why() -> None:
+    with pytest.raises(RuntimeError, match="a CUDA KV buffer needs a GPU: "):
+        make_buffer("cuda", 4096, populate=False, cuda_device=0)
+
+
+def test_a_sidecar_checking_integrity_refuses_vram_exports_before_opening_them(sidecars) -> None:
+    """Digests read KV from the CPU: a VRAM export under integrity=digest would crash the sidecar
+    at the first digest, so it is refused at registration, on any machine."""
+    sidecar = sidecars(args=["--integrity", "digest"])
+    export = engine_pb2.MemoryExport(kind=common_pb2.MEMORY_KIND_VRAM, cuda_ipc_handle=b"\0" * 64, length=1 << 20)
+    with SidecarClient(sidecar.socket) as client, pytest.raises(grpc.RpcError) as error:
+        client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [export]))
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "integrity=digest" in error.value.details() and "integrity=off" in error.value.details()
+
+
+def test_a_cuda_ipc_handle_reaches_the_driver_with_every_byte() -> None:
+    """A handle is passed by value as a 64-byte struct; ctypes copies bytes into a c_char array
+    only up to the first NUL, so a handle with zeros in it (they all have) once reached the driver
+    truncated: cuIpcOpenMemHandle said 'invalid argument' on an H100."""
+    handle = bytes([0, 7, 0, 0, 255, 1, 0, 9] * 8)
+    struct = handle_struct(handle)
+    assert ctypes.sizeof(struct) == 64 and bytes(struct) == handle
+
+
+def test_the_ipc_handle_inside_pytorchs_shareable_handle_is_found() -> None:
+    raw = bytes(range(64))
+    assert ipc_handle(raw) == raw  # older PyTorch: the bare handle
+    assert ipc_handle(b"\x02c" + raw) == raw  # version byte, 'c' (cudaMalloc segment), handle
+    assert ipc_handle(b"\x03c" + raw) == raw
+    with pytest.raises(RuntimeError, match="expandable_segments"):
+        ipc_handle(b"\x02e" + raw)
+    with pytest.raises(RuntimeError, match="66 bytes in a format not known"):
+        ipc_handle(b"\x02x" + raw)
+
+
+def test_nixl_loads_with_ucxs_memory_type_cache_off_unless_the_operator_set_it() -> None:
+    """With the cache on, GPU memory mapped from a second engine's IPC handle read as host memory
+    to UCX and its registration failed (H100, bench/README.md "The GPU path")."""
+    probe = (
+        "import os; from sidecar.dataplane.transport import load_nixl; load_nixl(); "
+        "print(os.environ['UCX_MEMTYPE_CACHE'])"
+    )
+    for preset, expected in ((None, "n"), ("y", "y")):
+        env = {k: v for k, v in os.environ.items() if k != "UCX_MEMTYPE_CACHE"}
+        if preset is not None:
+            env["UCX_MEMTYPE_CACHE"] = preset
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == expected
+
+
+@pytest.mark.parametrize(
+    ("installed", "cuda_major", "chosen"),
+    [
+        (["nixl_cu12"], 13, "nixl_cu12"),  # the only one installed, whatever the node has
+        (["nixl_cu13"], None, "nixl_cu13"),
+        (["nixl_cu12", "nixl_cu13"], 13, "nixl_cu13"),  # both: the node's CUDA decides
+        (["nixl_cu12", "nixl_cu13"], 12, "nixl_cu12"),
+        (["nixl_cu12", "nixl_cu13"], None, "nixl_cu12"),
+    ],
+)
+def test_the_nixl_wheel_matching_the_nodes_cuda_is_used(installed: list[str], cuda_major: int | None, chosen: str):
+    assert nixl_package(installed, cuda_major) == chosen
 
 
 def test_registration_errors_over_grpc(sidecars) -> None:

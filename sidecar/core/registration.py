@@ -54,6 +54,12 @@ class Registrations:
         if ctx.tasks.draining:
             raise Unavailable("the sidecar is draining for shutdown")
         spec = validation.register_worker(request)
+        if ctx.settings.integrity == "digest" and spec.exports[0].kind == "VRAM":
+            # Digests are computed by reading the KV from the CPU, which cannot read device memory.
+            raise FailedPrecondition(
+                "exports: integrity=digest reads KV from the CPU and cannot check VRAM exports; "
+                "run this sidecar with integrity=off for GPU engines"
+            )
         if spec.tp_size * spec.pp_size > ctx.settings.max_workers_per_engine:
             # An engine's workers are its TP x PP ranks: this bounds them before any is mapped.
             raise ResourceExhausted(

@@ -24,8 +24,8 @@ refuses our own READs and other producers' WRITEs (they fail and the engine reco
 the price of never letting a stale WRITE land. Over RDMA, pinned memory ignores page protection:
 there the fence would have to deregister the memory (not built; no RDMA here).
 
-VRAM: a CUDA IPC handle opened with ``cudaIpcOpenMemHandle`` (libcudart through ctypes). It is the
-real path on a GPU node; here, without a GPU, it reports FAILED_PRECONDITION.
+VRAM: a CUDA IPC handle opened through the CUDA driver (``cuda_ipc``); NIXL registers the device
+pointer it gives. Without a GPU it reports FAILED_PRECONDITION.
 
 Called from the event loop thread; every call is short (mmap) or bounded (populate).
 """
@@ -33,7 +33,6 @@ Called from the event loop thread; every call is short (mmap) or bounded (popula
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fcntl
 import mmap
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sidecar.dataplane import cuda_ipc
 from sidecar.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 
 _PROT_NONE = 0
@@ -95,7 +95,7 @@ class MappedMemory:
     orphan_path: str = ""
     _map_base: int = 0
     _map_length: int = 0
-    _cuda_ptr: int = 0
+    _cuda: cuda_ipc.OpenedHandle | None = None
     _released: bool = field(default=False)
 
     def view(self) -> memoryview:
@@ -222,57 +222,20 @@ def _unlocked(fd: int) -> bool:
 
 # --- VRAM over CUDA IPC -------------------------------------------------------------------------
 
-_CUDA_IPC_HANDLE_BYTES = 64
-_CUDA_IPC_LAZY_ENABLE_PEER_ACCESS = 1
-
-
-def _cudart() -> ctypes.CDLL:
-    name = ctypes.util.find_library("cudart")
-    candidates = [name] if name else []
-    candidates += ["libcudart.so", "libcudart.so.12", "libcudart.so.13"]
-    for candidate in candidates:
-        try:
-            return ctypes.CDLL(candidate)
-        except OSError:
-            continue
-    raise FailedPrecondition(
-        "VRAM exports need a CUDA GPU and libcudart on the sidecar's node; libcudart was not found here. "
-        "Use a DRAM export (host staging buffer) on this node."
-    )
-
 
 def _open_cuda_ipc(spec: ExportSpec, field_name: str) -> MappedMemory:
-    if len(spec.cuda_ipc_handle) != _CUDA_IPC_HANDLE_BYTES:
-        raise InvalidArgument(
-            f"{field_name}.cuda_ipc_handle", f"must be {_CUDA_IPC_HANDLE_BYTES} bytes, got {len(spec.cuda_ipc_handle)}"
-        )
-    cudart = _cudart()
-    count = ctypes.c_int(0)
-    if cudart.cudaGetDeviceCount(ctypes.byref(count)) != 0 or count.value == 0:
-        raise FailedPrecondition("VRAM exports need a CUDA GPU on the sidecar's node; none is visible here")
-    if not 0 <= spec.device_id < count.value:
-        raise InvalidArgument(f"{field_name}.device_id", f"device {spec.device_id} does not exist ({count.value} GPUs)")
-    if cudart.cudaSetDevice(spec.device_id) != 0:
-        raise FailedPrecondition(f"cudaSetDevice({spec.device_id}) failed")
-    handle = (ctypes.c_char * _CUDA_IPC_HANDLE_BYTES).from_buffer_copy(spec.cuda_ipc_handle)
-    pointer = ctypes.c_void_p()
-    status = cudart.cudaIpcOpenMemHandle(ctypes.byref(pointer), handle, _CUDA_IPC_LAZY_ENABLE_PEER_ACCESS)
-    if status != 0 or not pointer.value:
-        raise FailedPrecondition(f"cudaIpcOpenMemHandle failed with CUDA error {status}")
+    opened = cuda_ipc.open_handle(spec.cuda_ipc_handle, spec.device_id, spec.offset, spec.length, field_name)
     return MappedMemory(
-        kind="VRAM",
-        address=pointer.value + spec.offset,
-        length=spec.length,
-        device_id=spec.device_id,
-        _cuda_ptr=pointer.value,
+        kind="VRAM", address=opened.pointer + spec.offset, length=spec.length, device_id=spec.device_id, _cuda=opened
     )
 
 
 def _close_cuda_ipc(memory: MappedMemory) -> None:
-    try:
-        _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(memory._cuda_ptr))
-    except FailedPrecondition:
-        pass
+    if memory._cuda is not None:
+        try:
+            cuda_ipc.close_handle(memory._cuda)
+        except FailedPrecondition:
+            pass  # the driver refused; the mapping goes with the process
 
 
 # --- write fences -------------------------------------------------------------------------------

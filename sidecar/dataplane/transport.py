@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import queue
 import threading
 import time
@@ -57,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from sidecar.config import NixlSettings
+from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import (
     DlistSpec,
     NotificationsCallback,
@@ -110,21 +112,55 @@ class NixlUnavailable(RuntimeError):
     """NIXL could not be imported or an agent could not be created."""
 
 
+# NIXL's wheels, one per CUDA major version; the ``nixl`` meta package only picks one of them.
+_NIXL_PACKAGES = ("nixl_cu12", "nixl_cu13")
+
+
+def nixl_package(installed: list[str], cuda_major: int | None) -> str:
+    """Which installed NIXL wheel to use (pure): the only one, else the node's CUDA version's."""
+    if len(installed) == 1 or cuda_major is None:
+        return installed[0]
+    wanted = f"nixl_cu{cuda_major}"
+    return wanted if wanted in installed else installed[0]
+
+
 def load_nixl() -> tuple[Any, str]:
     """Import NIXL's Python API; returns (api module, version string)."""
-    try:
-        import nixl_cu12._api as api
-    except ImportError as exc:
-        raise NixlUnavailable(
-            "NIXL is not installed. Install it with `pip install --no-deps nixl-cu12==1.5.1 numpy` "
-            f"(its plain dependency list pulls a CUDA torch). Import error: {exc}"
-        ) from exc
+    import importlib
+    import importlib.util
     from importlib.metadata import PackageNotFoundError, version
 
+    installed = [name for name in _NIXL_PACKAGES if importlib.util.find_spec(name) is not None]
+    if not installed:
+        raise NixlUnavailable(
+            "NIXL is not installed. Install it with `pip install --no-deps nixl-cu12==1.5.1 numpy` "
+            "(nixl-cu13 on a CUDA 13 node; its plain dependency list pulls a CUDA torch)."
+        )
+    cuda_major = None
+    if len(installed) > 1:
+        try:
+            from nixl_meta_utils import detect_cuda_major  # type: ignore[import-untyped]  # the ``nixl`` meta package
+
+            cuda_major = detect_cuda_major()
+        except ImportError:
+            pass
+    package = nixl_package(installed, cuda_major)
+    # UCX's memory-type cache learns of GPU memory through hooks on CUDA's allocation calls; a
+    # range mapped by a call it did not see (our cuIpcOpenMemHandle, looked up before UCX loaded)
+    # stays "host" in it, and NIXL then refuses to register it as VRAM ("VRAM memory is detected as
+    # host by UCX"): on an H100 the second engine's KV registered on one sidecar failed so. Without
+    # the cache UCX asks the driver at each registration, off the transfer path. Read when UCX
+    # loads, so set before the import; an operator's own value wins.
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     try:
-        nixl_version = "nixl-cu12 " + version("nixl-cu12")
+        api = importlib.import_module(f"{package}._api")
+    except ImportError as exc:
+        raise NixlUnavailable(f"NIXL ({package}) is installed but does not import: {exc}") from exc
+    distribution = package.replace("_", "-")
+    try:
+        nixl_version = f"{distribution} {version(distribution)}"
     except PackageNotFoundError:
-        nixl_version = "nixl-cu12 unknown"
+        nixl_version = f"{distribution} unknown"
     route_foreign_loggers()
     return api, nixl_version
 
@@ -603,6 +639,12 @@ class NixlTransport:
                     params["num_threads"] = str(self._settings.num_threads)
             agent.create_backend(backend, params)
         state = _Agent(agent)
+        if mem_type == "VRAM":
+            # CUDA contexts are per thread: UCX registers (and later copies) GPU memory from this
+            # one, so the device's primary context, where the IPC handles were opened, is made
+            # current here too.
+            for device_id in sorted({d for _, _, d in regions}):
+                cuda_ipc.make_current(device_id)
         if regions:
             state.registrations.append(agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type))
         self._agents[name] = state

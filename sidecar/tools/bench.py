@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from engine_shim.memory import KvLayout
+from engine_shim.cuda_memory import CudaBuffer
+from engine_shim.memory import KvLayout, SharedBuffer
 from sidecar.core.stages import stage_durations
 from sidecar.tools.launcher import child_env
 from sidecar.tools.workload import TransferPair
@@ -120,18 +121,28 @@ class RawNixl:
 
         api, _ = load_nixl()
         assert pair.producer is not None and pair.consumer is not None
-        layout = pair.layout
-        source = pair.producer.workers[0].buffer.array
+        layout = self.layout = pair.layout
+        source_buffer = pair.producer.workers[0].buffer
         target = pair.consumer.workers[0].buffer
+        # GPU engines: the device memory itself, registered as VRAM (the target process allocates
+        # its own, as an engine would: the raw floor never goes through CUDA IPC).
+        on_gpu = isinstance(source_buffer, CudaBuffer)
+        mem_type = "VRAM" if on_gpu else "DRAM"
+        if isinstance(source_buffer, CudaBuffer):
+            source_base = int(source_buffer.tensor.data_ptr())
+        else:
+            source_base = int(source_buffer.array.ctypes.data)
         config = api.nixl_agent_config(enable_prog_thread=False, capture_telemetry=False, backends=["UCX"])
         self.writer = api.nixl_agent(f"bench-raw-writer-{id(self)}", config)
-        self.writer.register_memory([(source.ctypes.data, layout.total_bytes, 0, "")], "DRAM")
+        self.writer.register_memory([(source_base, layout.total_bytes, 0, "")], mem_type)
         self.target: Any = None
         self.child: subprocess.Popen[str] | None = None
         if separate_process:
-            # The child maps the destination file itself; its addresses are what we write to.
+            # The child maps the destination file itself (or allocates GPU memory); its addresses
+            # are what we write to.
+            where = "cuda:0" if on_gpu else str(target.path) if isinstance(target, SharedBuffer) else ""
             self.child = subprocess.Popen(
-                [*target_wrapper, sys.executable, "-m", "sidecar.tools.bench_target", str(target.path),
+                [*target_wrapper, sys.executable, "-m", "sidecar.tools.bench_target", where,
                  str(layout.total_bytes), str(target_poll_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
             )  # fmt: skip
@@ -140,6 +151,8 @@ class RawNixl:
             target_name = self.writer.add_remote_agent(bytes.fromhex(metadata))
             target_base = int(address)
         else:
+            if on_gpu:
+                raise ValueError("the in-process raw NIXL floor is measured on DRAM only")
             self.target = api.nixl_agent(f"bench-raw-target-{id(self)}", config)
             self.target.register_memory([(target.array.ctypes.data, layout.total_bytes, 0, "")], "DRAM")
             target_name = self.writer.add_remote_agent(self.target.get_agent_metadata())
@@ -152,13 +165,15 @@ class RawNixl:
             rows[:, 1] = layout.block_len
             return rows
 
-        self.local = self.writer.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(source.ctypes.data), "DRAM")
-        self.remote = self.writer.prep_xfer_dlist(self.target_name, descriptors(target_base), "DRAM")
+        self.local = self.writer.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(source_base), mem_type)
+        self.remote = self.writer.prep_xfer_dlist(self.target_name, descriptors(target_base), mem_type)
 
     def transfer(self, source: Sequence[int], destination: Sequence[int], count: int) -> list[float]:
         """``count`` concurrent WRITEs of the blocks; returns each one's latency."""
-        src = np.asarray(source, dtype=np.int32)
-        dst = np.asarray(destination, dtype=np.int32)
+        # Descriptor i is block i % num_blocks of layer i // num_blocks: a block id names every layer.
+        layers = np.arange(self.layout.num_layers, dtype=np.int32)[:, None] * self.layout.num_blocks
+        src = (layers + np.asarray(source, dtype=np.int32)).ravel()
+        dst = (layers + np.asarray(destination, dtype=np.int32)).ravel()
         started = time.perf_counter()
         handles = []
         for _ in range(count):
@@ -220,7 +235,7 @@ def memcpy_paths(pair: TransferPair) -> Callable[[Sequence[int], Sequence[int], 
     return copy
 
 
-def _kvsidecar_path(pair: TransferPair, mode: str) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:
+def kvsidecar_path(pair: TransferPair, mode: str) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:
     transfer = pair.push if mode == "push" else pair.pull
 
     def run(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
@@ -239,7 +254,10 @@ def measure(
     run: Callable[[Sequence[int], Sequence[int], int], list[float]],
     runs: int,
     run_bytes: int,
+    check: bool = True,
 ) -> Row:
+    """``check=False``: the path does not write into the pair's consumer (a raw floor into memory of
+    its own); its row says so instead of claiming a verification."""
     source, destination = block_sets(scenario, pair.layout.num_blocks)
     rounds = max(1, min(64, run_bytes // (scenario.request_bytes * scenario.concurrency)))
     run(source, destination, scenario.concurrency)  # warm-up: connections, prepared lists, page faults
@@ -247,7 +265,7 @@ def measure(
     rates: list[float] = []
     verified = True
     for index in range(runs):
-        last = index == runs - 1
+        last = check and index == runs - 1
         if last:
             pair.poison(destination)
         started = time.perf_counter()
@@ -267,11 +285,12 @@ def measure(
         ratio_vs_raw_nixl=None,
         requests=len(latencies),
         runs=runs,
-        verified=verified,
+        verified=verified and check,
         block_bytes=scenario.block_bytes,
         blocks=scenario.blocks,
         pattern=scenario.pattern,
         concurrency=scenario.concurrency,
+        extra={} if check else {"verified": "not checked: the path writes into memory of its own"},
     )
 
 
@@ -479,9 +498,9 @@ def run_bench(
             local_pair.fill_producer(seed=block_bytes)
             raws = [RawNixl(pair), RawNixl(pair, separate_process=True)] if "transfers" in sections else []
             paths = {
-                "kvsidecar-push": (pair, _kvsidecar_path(pair, "push")),
-                "kvsidecar-pull": (pair, _kvsidecar_path(pair, "pull")),
-                "kvsidecar-push-same-node": (local_pair, _kvsidecar_path(local_pair, "push")),
+                "kvsidecar-push": (pair, kvsidecar_path(pair, "push")),
+                "kvsidecar-pull": (pair, kvsidecar_path(pair, "pull")),
+                "kvsidecar-push-same-node": (local_pair, kvsidecar_path(local_pair, "push")),
                 **({"raw-nixl": (pair, raws[0].transfer), "raw-nixl-2proc": (pair, raws[1].transfer)} if raws else {}),
                 "memcpy": (pair, memcpy_paths(pair)),
             }
@@ -557,7 +576,7 @@ def render(rows: list[Row]) -> str:
                 f"{row.gbps:.2f}",
                 f"{row.ratio_vs_raw_nixl:.2f}" if row.ratio_vs_raw_nixl is not None else "-",
                 f"{row.extra['ratio_vs_raw_nixl_2proc']:.2f}" if row.extra.get("ratio_vs_raw_nixl_2proc") else "-",
-                "yes" if row.verified else "NO",
+                "yes" if row.verified else "-" if "verified" in row.extra else "NO",
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]

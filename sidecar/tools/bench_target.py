@@ -1,7 +1,8 @@
 """The target side of the benchmark's cross-process raw-NIXL path: a NIXL agent in its own process
-over a shared-memory file, driving progress by polling, as a consumer engine's agent would.
+over a shared-memory file (or, given ``cuda:N`` instead of a path, over GPU memory it allocates
+itself, as a GPU engine would), driving progress by polling, as a consumer engine's agent would.
 
-Protocol: started with the file path, its length and optionally the poll period in seconds
+Protocol: started with the file path (or ``cuda:N``), its length and optionally the poll period in seconds
 (default 0.0001; over TCP the target's progress moves the bytes, so a cross-host run polls as
 often as a sidecar's owner thread does after activity); prints one line "<mapping address> <agent
 metadata as hex>" and polls until stdin closes. Used by ``sidecar.tools.bench`` only.
@@ -9,6 +10,7 @@ metadata as hex>" and polls until stdin closes. Used by ``sidecar.tools.bench`` 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -22,16 +24,21 @@ def main() -> int:
     from sidecar.dataplane.transport import load_nixl
 
     api, _ = load_nixl()
-    fd = os.open(path, os.O_RDWR)
-    mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    os.close(fd)
-    import ctypes
+    keep: object  # the memory, alive until this process ends
+    if path.startswith("cuda:"):
+        import torch
 
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        keep = torch.zeros(length, dtype=torch.uint8, device=path)
+        address, mem_type, device = keep.data_ptr(), "VRAM", keep.device.index or 0
+    else:
+        fd = os.open(path, os.O_RDWR)
+        keep = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        address, mem_type, device = ctypes.addressof(ctypes.c_char.from_buffer(keep)), "DRAM", 0
     agent = api.nixl_agent(
         f"bench-target-{os.getpid()}", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
     )
-    agent.register_memory([(address, length, 0, "")], "DRAM")
+    agent.register_memory([(address, length, device, "")], mem_type)
     print(address, agent.get_agent_metadata().hex(), flush=True)
     done = threading.Event()
 

@@ -55,8 +55,10 @@ class TransferPair:
         consumer_layout: KvLayout | None = None,
         make_daemon: Callable[[str], DaemonProcess] | None = None,
         vouch: bool = True,
+        memory: str = "shm",
     ) -> None:
         self.layout = layout
+        self.memory = memory  # "cuda": both engines' KV in GPU memory (engine_shim.cuda_memory)
         self.vouch = vouch
         # The producer's voucher key and validity from its sidecar's last SubmitBlocks answer.
         self._voucher_terms: tuple[bytes, float] = (b"", 0.0)
@@ -103,9 +105,11 @@ class TransferPair:
         if not self.same_node:
             d_daemon = self._make_daemon("d").start()
             self.daemons.append(d_daemon)
-        self.producer = SimulatedEngine(p_daemon.socket, "bench-P", self.roles[0], self.layout)
+        self.producer = SimulatedEngine(p_daemon.socket, "bench-P", self.roles[0], self.layout, memory=self.memory)
         self.producer.start(on_event=self._route)
-        self.consumer = SimulatedEngine(d_daemon.socket, "bench-D", self.roles[1], self.consumer_layout)
+        self.consumer = SimulatedEngine(
+            d_daemon.socket, "bench-D", self.roles[1], self.consumer_layout, memory=self.memory
+        )
         self.consumer.start(on_event=self._route)
 
     def close(self) -> None:
@@ -309,6 +313,8 @@ class TransferPair:
 
     def _views(self) -> tuple[np.ndarray, np.ndarray]:
         assert self.producer is not None and self.consumer is not None
+        self.producer.download()
+        self.consumer.download()
         shape = (self.layout.num_layers, self.layout.num_blocks, self.layout.block_len)
         return (
             self.producer.workers[0].buffer.array[: self.layout.total_bytes].reshape(shape),
@@ -317,8 +323,10 @@ class TransferPair:
 
     def poison(self, d_blocks: Sequence[int]) -> None:
         """Overwrite the consumer's blocks so stale data cannot pass for a transfer."""
+        assert self.consumer is not None
         _, target = self._views()
         target[:, list(d_blocks)] = POISON
+        self.consumer.upload()
 
     def verify(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> bool:
         source, target = self._views()

@@ -49,6 +49,31 @@ class SidecarProcess(DaemonProcess):
         return events
 
 
+PUSH_MODE = 2  # common_pb2.TRANSFER_MODE_PUSH
+
+
+def start_transfer(
+    producer: EngineProcess,
+    consumer: EngineProcess,
+    mode: str,
+    request: str,
+    p_blocks: list[int],
+    d_blocks: list[int],
+    num_tokens: int,
+) -> dict[str, Any]:
+    """Start moving ``request`` (D's request id ``{request}-d``): pull (P submits, D pulls) or push
+    (D expects, P submits). Returns the last command's reply; the caller waits for the events."""
+    remote = {"address": producer.peer_address, "engine_id": producer.engine_id, "request_id": request}
+    if mode == "pull":
+        submitted = producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=num_tokens)
+        assert submitted["ok"], submitted
+        remote |= {"blocks": [p_blocks], "num_tokens": num_tokens}
+        return consumer.command("pull", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)
+    expected = consumer.command("expect_push", request_id=f"{request}-d", blocks=[d_blocks], remote=remote)
+    assert expected["ok"], expected
+    return producer.command("submit", request_id=request, blocks=[p_blocks], num_tokens=num_tokens, mode=PUSH_MODE)
+
+
 class EngineProcess:
     """A simulated engine (``python -m engine_shim.simulated``) in a child process, driven over
     JSON lines. Events and replies are collected by a reader thread."""
@@ -70,6 +95,7 @@ class EngineProcess:
         kv_layout: str = "LBHNC",
         head_size: int = 0,
         dtype: str = "",
+        memory: str = "shm",
         wrapper: list[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
@@ -105,6 +131,8 @@ class EngineProcess:
             str(head_size),
             "--dtype",
             dtype,
+            "--memory",
+            memory,
         ]
         stderr = self.log_path.open("ab")
         self.process = subprocess.Popen(

@@ -1,0 +1,98 @@
+"""The GPU path on a real GPU: simulated engines in their own processes keep their KV in CUDA
+memory and export it over CUDA IPC as a GPU shim would (``engine_shim.cuda_memory``); sidecar
+daemons open the handles and register the device memory with NIXL; pulls and pushes move it, and
+every token is checked on the receiving GPU.
+
+Skipped, with the reason, where PyTorch sees no CUDA GPU (this project's CI machine). Runs on a GPU
+machine with ``pytest tests/test_gpu.py`` (``bench/README.md``, "The GPU path", has the command
+used and its results).
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from engine_shim.client import SidecarClient
+from engine_shim.cuda_memory import CudaBuffer, cuda_available
+from engine_shim.memory import KvLayout, kv_registration
+from kvsidecar.v1 import common_pb2
+from tests.support.processes import EngineProcess, SidecarProcess, start_transfer
+
+NO_GPU = cuda_available()
+pytestmark = pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
+
+LAYERS, BLOCKS, HEADS, BLOCK_SIZE, CHUNK = 4, 64, 4, 16, 256
+TOKENS = 600  # 38 blocks, the last one partial
+
+
+def _engine(engines, side: SidecarProcess, name: str, role: str, memory: str, **shape) -> EngineProcess:
+    options = {"layers": LAYERS, "blocks": BLOCKS, "heads": HEADS, "block_size": BLOCK_SIZE, "kv_layout": "HND"}
+    options |= shape
+    heads = options["heads"]
+    options.setdefault("block_len", BLOCK_SIZE * heads * CHUNK)
+    return engines(side, name, role, memory=memory, head_size=CHUNK // 4, dtype="float16", **options)
+
+
+def _move(producer: EngineProcess, consumer: EngineProcess, mode: str, request: str, seed: int) -> None:
+    """One request of TOKENS tokens from producer to consumer; every token checked on arrival."""
+    p_blocks = list(range(3, 3 + -(-TOKENS // BLOCK_SIZE)))
+    d_blocks = list(reversed(range(BLOCKS - len(p_blocks), BLOCKS)))
+    assert producer.command("fill_tokens", blocks=p_blocks, num_tokens=TOKENS, seed=seed)["ok"]
+    assert consumer.command("clear")["ok"]
+    reply = start_transfer(producer, consumer, mode, request, p_blocks, d_blocks, TOKENS)
+    assert reply["ok"], reply
+    received = consumer.wait_event(f"{request}-d", 60)
+    assert [e["event"] for e in received] == ["FINISHED_RECEIVING"] * len(received), received
+    assert {e["event"] for e in producer.wait_event(request, 60)} == {"FINISHED_SENDING"}
+    check = consumer.command("verify_tokens", blocks=d_blocks, first_token=0, num_tokens=TOKENS, seed=seed)
+    assert check["ok"] and check["bad_count"] == 0, check
+    assert check["checked_tokens"] == TOKENS * LAYERS * consumer.tp, check
+
+
+# (topology, P's memory, D's memory): GPU to GPU on both topologies; GPU to host and back between nodes.
+CASES = [
+    ("two-sidecars", "cuda", "cuda"),
+    ("one-sidecar", "cuda", "cuda"),
+    ("two-sidecars", "cuda", "shm"),
+    ("two-sidecars", "shm", "cuda"),
+]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("topology", "p_memory", "d_memory"), CASES, ids=["-".join(case) for case in CASES])
+def test_kv_in_gpu_memory_moves_intact(
+    sidecars, engines, topology: str, p_memory: str, d_memory: str, mode: str
+) -> None:
+    p_side = sidecars("p")
+    d_side = p_side if topology == "one-sidecar" else sidecars("d")
+    producer = _engine(engines, p_side, "P", "producer", p_memory)
+    consumer = _engine(engines, d_side, "D", "consumer", d_memory)
+    for serial in range(3):  # the first request handshakes and wires up; later ones reuse it
+        _move(producer, consumer, mode, f"{mode}-{serial}", seed=100 + serial)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_gpu_engines_of_different_tp_and_layout_convert(sidecars, engines, mode: str) -> None:
+    """P at TP 2 with token-major blocks, D at TP 1 head-major: heads are gathered from two GPU
+    buffers and tokens re-laid-out, with no staging through the CPU."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    producer = _engine(engines, p_side, "P", "producer", "cuda", tp=2, heads=HEADS // 2, kv_layout="NHD")
+    consumer = _engine(engines, d_side, "D", "consumer", "cuda")
+    _move(producer, consumer, mode, f"convert-{mode}", seed=7)
+
+
+def test_a_vram_export_past_its_allocation_is_invalid_argument(sidecars) -> None:
+    side = sidecars()
+    layout = KvLayout(LAYERS, BLOCKS, BLOCK_SIZE * HEADS * CHUNK)
+    with SidecarClient(side.socket) as client, CudaBuffer(layout.total_bytes) as buffer:
+        export = buffer.export()
+        assert export.kind == common_pb2.MEMORY_KIND_VRAM and len(export.cuda_ipc_handle) == 64
+        export.length += 1 << 30  # a range the allocation does not have
+        with pytest.raises(grpc.RpcError) as error:
+            client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, layout, [export]))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "exceeds the exported allocation" in error.value.details()
+        # The real export registers, and unregisters cleanly.
+        client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, layout, [buffer.export()]))
+        client.unregister_worker("E", 0)
