@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU proof in one command, on a GPU machine whose Python has PyTorch with CUDA, grpcio and
 # protobuf but reaches no package registry: the other dependencies come as wheels (or zips of
-# them) in .whl/, unpacked to /tmp/site. bench/README.md ("The GPU path") says how .whl/ was made
-# and what this printed. Results land in $OUT (default bench/out).
+# them) in .whl/ (made by bench/gpu_wheels.sh), unpacked to /tmp/site. bench/README.md ("The GPU
+# path") says what this printed. Results land in $OUT (default bench/out).
 set -u
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT" /tmp/site
+[ -d .whl ] || { echo "no .whl/ here: make it with bench/gpu_wheels.sh and carry it" >&2; exit 2; }
 for wheel in .whl/*; do python3 -m zipfile -e "$wheel" /tmp/site; done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # UCX's CUDA memory hooks need libcudart; on such images it sits in a pip package, not on the

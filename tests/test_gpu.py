@@ -82,6 +82,24 @@ def test_gpu_engines_of_different_tp_and_layout_convert(sidecars, engines, mode:
     _move(producer, consumer, mode, f"convert-{mode}", seed=7)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_consumer_checking_integrity_fails_a_gpu_producers_request_with_the_reason(
+    sidecars, engines, mode: str
+) -> None:
+    """Digests are hashed from the CPU: the GPU producer's sidecar refuses them instead of reading
+    device memory (which would crash it), and D's load fails saying why; P's blocks are freed."""
+    p_side, d_side = sidecars("p"), sidecars("d", args=["--integrity", "digest"])
+    producer = _engine(engines, p_side, "P", "producer", "cuda")
+    consumer = _engine(engines, d_side, "D", "consumer", "shm")
+    p_blocks, d_blocks = list(range(4)), list(range(8, 12))
+    reply = start_transfer(producer, consumer, mode, "checked", p_blocks, d_blocks, 4 * BLOCK_SIZE)
+    assert reply["ok"], reply
+    events = consumer.wait_event("checked-d", 60)
+    assert [e["event"] for e in events] == ["LOAD_FAILED"], events
+    assert "GPU memory" in events[0]["reason"] and "integrity=off" in events[0]["reason"], events
+    assert {e["event"] for e in producer.wait_event("checked", 60)} == {"FINISHED_SENDING"}
+
+
 def test_a_vram_export_past_its_allocation_is_invalid_argument(sidecars) -> None:
     side = sidecars()
     layout = KvLayout(LAYERS, BLOCKS, BLOCK_SIZE * HEADS * CHUNK)

@@ -417,3 +417,27 @@ def test_a_pull_whose_engine_dies_while_its_read_runs_ends_when_the_read_does(tm
             assert not h.node.consumer.requests, "the pull of a dead engine was kept"
 
     run(scenario)
+
+
+def test_a_gpu_producer_refuses_digests_and_the_checking_consumers_load_fails_saying_why(tmp_path: Path) -> None:
+    """Digests are hashed by reading KV from the CPU; a GPU engine's sidecar must refuse them, not
+    read device pointers (it would crash). Stand-in: P's worker is *marked* as GPU memory, the flag
+    the refusal reads, while its bytes stay in shared memory (no GPU here; tests/test_gpu.py runs
+    the real thing)."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, integrity="digest") as h:
+            worker = h.node.registry.worker(P, 0, 0)
+            assert worker is not None
+            worker.mem_type = "VRAM"
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-g", [[3, 4, 5]]))
+            pull = SidecarClient.pull_request(D, "req-g-d", [[7, 8, 9]], remote(ADDRESS, P, "req-g", [[3, 4, 5]]))
+            await h.node.consumer.pull(pull)
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "KV is in GPU memory" in failed.reason and "integrity=off" in failed.reason, failed.reason
+            assert not h.fabric.transfers, "nothing may be read without its digests"
+            freed = await h.next_event(P)
+            assert freed.kind == engine_pb2.FINISHED_SENDING and freed.request_id == "req-g"
+
+    run(scenario)

@@ -438,6 +438,12 @@ class ProducerSide:
         return peer_pb2.GetDigestsResponse(sidecar_id=ctx.identity.sidecar_id, digests=span.to_proto(values))
 
     async def _digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
+        if any(worker.mem_type != "DRAM" for worker in engine.ordered_workers()):
+            # Hashing reads the KV from the CPU: a device pointer read here would crash this sidecar.
+            raise FailedPrecondition(
+                f"integrity digests read KV from the CPU, and engine {engine.engine_id!r}'s KV is in GPU memory; "
+                "run the consumer's sidecar with integrity=off for GPU engines"
+            )
         layouts = [worker.layout for worker in engine.ordered_workers()]
         blocks = single_group(pending.block_ids, "the request")
         work = asyncio.to_thread(digests, layouts, blocks, 0, span)
