@@ -79,6 +79,27 @@ def _host_staging(gpu_pair, host_pair, mode: str):  # type: ignore[no-untyped-de
     return run
 
 
+class _Staged:
+    """The host-staging path's owner for ``measure``: poisoning reaches both of the consumer's
+    copies (GPU and host), so a run whose kvsidecar hop moved nothing cannot verify."""
+
+    def __init__(self, gpu_pair, host_pair) -> None:  # type: ignore[no-untyped-def]
+        self.layout = gpu_pair.layout
+        self._gpu, self._host = gpu_pair, host_pair
+
+    def poison(self, d_blocks: Sequence[int]) -> None:
+        self._gpu.poison(d_blocks)
+        self._host.poison(d_blocks)
+
+    def verify(self, p_blocks: Sequence[int], d_blocks: Sequence[int]) -> bool:
+        return bool(self._gpu.verify(p_blocks, d_blocks))
+
+
+def _save(json_path: Path, rows: list, failures: list[dict[str, str]]) -> None:  # type: ignore[type-arg]
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"rows": [asdict(row) for row in rows], "failures": failures}, indent=2))
+
+
 def run(json_path: Path, runs: int, sizes: Sequence[int]) -> int:
     from engine_shim.cuda_memory import cuda_available
     from engine_shim.memory import KvLayout
@@ -108,15 +129,20 @@ def run(json_path: Path, runs: int, sizes: Sequence[int]) -> int:
         progress("engines registered; filling the producers")
         pair.fill_producer(seed=1)
         local_pair.fill_producer(seed=2)
-        raw = RawNixl(pair, separate_process=True)
         paths = {
             "kvsidecar-pull": (pair, kvsidecar_path(pair, "pull")),
             "kvsidecar-push": (pair, kvsidecar_path(pair, "push")),
             "kvsidecar-pull-same-node": (local_pair, kvsidecar_path(local_pair, "pull")),
-            "raw-nixl-2proc": (pair, raw.transfer),
             "cuda-memcpy": (pair, _cuda_copy(pair)),
-            "host-staging-pull": (pair, _host_staging(pair, host_pair, "pull")),
+            "host-staging-pull": (_Staged(pair, host_pair), _host_staging(pair, host_pair, "pull")),
         }
+        raw = None
+        try:
+            raw = RawNixl(pair, separate_process=True)
+            paths["raw-nixl-2proc"] = (pair, raw.transfer)
+        except Exception as exc:  # the other paths' figures still count
+            failures.append({"scenario": "setup", "path": "raw-nixl-2proc", "error": repr(exc)})
+            traceback.print_exc()
         try:
             for blocks in sizes:
                 scenario = Scenario(BLOCK_BYTES * LAYERS, blocks, "adjacent", 1)
@@ -134,13 +160,14 @@ def run(json_path: Path, runs: int, sizes: Sequence[int]) -> int:
                     row.ratio_vs_raw_nixl = row.gbps / floor if floor else None
                     row.extra["device"] = device
                 rows.extend(found.values())
+                _save(json_path, rows, failures)  # a run cut short by its time bound keeps what it measured
         finally:
-            raw.close()
+            if raw is not None:
+                raw.close()
     print(render(rows))
     for failure in failures:
         print(f"FAILED {failure['scenario']} {failure['path']}: {failure['error']}")
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"rows": [asdict(row) for row in rows], "failures": failures}, indent=2))
+    _save(json_path, rows, failures)
     print(f"\n{len(rows)} rows, {len(failures)} failures in {time.monotonic() - started:.0f}s -> {json_path}")
     checked = [row for row in rows if "verified" not in row.extra]
     return 0 if rows and not failures and all(row.verified for row in checked) else 1

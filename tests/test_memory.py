@@ -112,6 +112,9 @@ def test_a_cuda_ipc_handle_reaches_the_driver_with_every_byte() -> None:
     handle = bytes([0, 7, 0, 0, 255, 1, 0, 9] * 8)
     struct = handle_struct(handle)
     assert ctypes.sizeof(struct) == 64 and bytes(struct) == handle
+    # Bytes, not chars: a c_char array field takes a bytes value only up to its first NUL.
+    ((_name, field_type),) = type(struct)._fields_
+    assert field_type._type_ is ctypes.c_ubyte and field_type._length_ == 64
 
 
 def test_the_ipc_handle_inside_pytorchs_shareable_handle_is_found() -> None:

@@ -441,3 +441,29 @@ def test_a_gpu_producer_refuses_digests_and_the_checking_consumers_load_fails_sa
             assert freed.kind == engine_pb2.FINISHED_SENDING and freed.request_id == "req-g"
 
     run(scenario)
+
+
+def test_a_gpu_consumer_that_gives_up_unfenced_says_so(tmp_path: Path) -> None:
+    """A push given up while the producer may still write: shared memory is fenced (mprotect), GPU
+    memory cannot be, and the LOAD_FAILED says that. Stand-in: D's worker and its mappings are
+    *marked* as GPU memory (the flags the consumer and the fences read; its bytes stay in shared
+    memory, no GPU here)."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            worker.mem_type = "VRAM"
+            for memory in worker.memories:
+                memory.kind = "VRAM"  # what the fences look at; set back below so teardown unmaps it
+            expect = SidecarClient.expect_push_request(D, "req-u-d", [[5, 6]], remote(ADDRESS, P, "req-u"))
+            await h.node.consumer.expect_push(expect)
+            pending = next(iter(h.node.consumer.requests.values()))
+            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            for memory in worker.memories:
+                memory.kind = "DRAM"
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "GPU memory: not fenced against a late WRITE" in failed.reason, failed.reason
+
+    run(scenario)

@@ -718,6 +718,16 @@ class ConsumerSide:
                     peer=pending.remote.address,
                     pages=len(token),
                 )
+        if not token and engine is not None and any(w.mem_type == "VRAM" for w in engine.ordered_workers()):
+            # mprotect cannot reach device memory: say so where the operator and the engine see it.
+            log.warning(
+                "push_gave_up_unfenced",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                peer=pending.remote.address,
+                why="GPU memory cannot be made read-only; a producer that resumes could still write these blocks",
+            )
+            reason = f"{reason} (GPU memory: not fenced against a late WRITE)"
         self._fail(pending, f"{reason} (blocks fenced against late WRITEs)" if token else reason, reason_label=label)
 
     async def _check_fence(self, fence: _Fence) -> None:

@@ -9,7 +9,9 @@ NIXL's UCX CUDA transports) uses too.
 
 A handle names a whole allocation (``cudaMalloc`` block, or a caching allocator's segment), so an
 export carries the offset of its KV range inside it; the range is checked against the allocation's
-real size before anything is registered.
+real size before anything is registered. The export's ``device_id`` is checked against the device
+that holds the memory (an engine started with ``CUDA_VISIBLE_DEVICES`` numbers its GPUs from 0):
+the memory is opened and registered on the device that holds it.
 
 Called from the thread that maps memory at registration (``asyncio.to_thread``), from the event
 loop thread at release, and from the NIXL owner thread before it registers GPU memory
@@ -24,9 +26,13 @@ import threading
 from dataclasses import dataclass
 
 from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.logs import get_logger
+
+log = get_logger("kvsidecar.cuda_ipc")
 
 HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 _LIBRARY = "libcuda.so.1"
 
 
@@ -44,7 +50,8 @@ def handle_struct(handle: bytes) -> _IpcHandle:
 
 @dataclass(frozen=True)
 class OpenedHandle:
-    """An IPC handle opened here: ``pointer`` is where its allocation starts in this process."""
+    """An IPC handle opened here: ``pointer`` is where its allocation starts in this process, on
+    ``device_id`` as this process numbers GPUs (where the memory is, whatever the export said)."""
 
     pointer: int
     allocation_bytes: int
@@ -79,7 +86,14 @@ class _Driver:
         self._close.argtypes = [ctypes.c_uint64]
         self._range = getattr(lib, "cuMemGetAddressRange_v2", None) or lib.cuMemGetAddressRange
         self._range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        self._check(lib.cuInit(0), "cuInit")
+        lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+        try:
+            self._check(lib.cuInit(0), "cuInit")
+        except FailedPrecondition as exc:  # e.g. a driver library without a device (CUDA error 100)
+            raise FailedPrecondition(
+                f"VRAM exports need a CUDA GPU on the sidecar's node; {exc}. Use a DRAM export (host staging "
+                "buffer) on this node."
+            ) from None
 
     def _check(self, status: int, call: str) -> None:
         if status == 0:
@@ -110,6 +124,22 @@ class _Driver:
         self._check(self._lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
     def open(self, handle: bytes, device_id: int) -> OpenedHandle:
+        opened = self._open_on(handle, device_id)
+        ordinal = ctypes.c_int(-1)
+        status = self._lib.cuPointerGetAttribute(ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL, opened.pointer)
+        if status != 0:
+            # Keep the export's numbering (right unless the engine renumbered its GPUs).
+            log.warning("vram_device_unknown", device_id=device_id, cuda_error=status)
+            return opened
+        if ordinal.value == device_id:
+            return opened
+        # The engine numbered its GPUs differently (CUDA_VISIBLE_DEVICES renumbers them inside the
+        # engine): open the memory in the context of the device that holds it, and register it there.
+        log.info("vram_export_on_another_device", device_id=device_id, holding_device=ordinal.value)
+        self.close(opened)
+        return self._open_on(handle, ordinal.value)
+
+    def _open_on(self, handle: bytes, device_id: int) -> OpenedHandle:
         self.use_device(device_id)
         pointer = ctypes.c_uint64(0)
         self._check(
@@ -155,7 +185,10 @@ def open_handle(handle: bytes, device_id: int, offset: int, length: int, field_n
         raise InvalidArgument(f"{field_name}.device_id", f"device {device_id} does not exist ({count} GPUs)")
     opened = driver.open(handle, device_id)
     if offset + length > opened.allocation_bytes:
-        driver.close(opened)
+        try:
+            driver.close(opened)
+        except FailedPrecondition:
+            pass  # the range error is the one to report
         raise InvalidArgument(
             f"{field_name}.length",
             f"offset {offset} + length {length} exceeds the exported allocation ({opened.allocation_bytes} bytes)",

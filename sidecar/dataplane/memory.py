@@ -226,7 +226,7 @@ def _unlocked(fd: int) -> bool:
 def _open_cuda_ipc(spec: ExportSpec, field_name: str) -> MappedMemory:
     opened = cuda_ipc.open_handle(spec.cuda_ipc_handle, spec.device_id, spec.offset, spec.length, field_name)
     return MappedMemory(
-        kind="VRAM", address=opened.pointer + spec.offset, length=spec.length, device_id=spec.device_id, _cuda=opened
+        kind="VRAM", address=opened.pointer + spec.offset, length=spec.length, device_id=opened.device_id, _cuda=opened
     )
 
 

@@ -142,7 +142,7 @@ def load_nixl() -> tuple[Any, str]:
             from nixl_meta_utils import detect_cuda_major  # type: ignore[import-untyped]  # the ``nixl`` meta package
 
             cuda_major = detect_cuda_major()
-        except ImportError:
+        except Exception:  # no meta package, or its guess failed: the first installed wheel
             pass
     package = nixl_package(installed, cuda_major)
     # UCX's memory-type cache learns of GPU memory through hooks on CUDA's allocation calls; a
@@ -630,6 +630,12 @@ class NixlTransport:
     def _create_agent(self, name: str, regions: list[tuple[int, int, int]], mem_type: str) -> bytes:
         if name in self._agents:
             raise ValueError(f"agent {name} exists")
+        if mem_type == "VRAM":
+            # CUDA contexts are per thread: UCX registers (and later copies) GPU memory from this
+            # one, so the device's primary context, where the IPC handles were opened, is made
+            # current here too, before the backends are created.
+            for device_id in sorted({d for _, _, d in regions}):
+                cuda_ipc.make_current(device_id)
         agent = self._api.nixl_agent(name, self._agent_config())
         for backend in self._settings.backends:
             params: dict[str, str] = {}
@@ -639,12 +645,6 @@ class NixlTransport:
                     params["num_threads"] = str(self._settings.num_threads)
             agent.create_backend(backend, params)
         state = _Agent(agent)
-        if mem_type == "VRAM":
-            # CUDA contexts are per thread: UCX registers (and later copies) GPU memory from this
-            # one, so the device's primary context, where the IPC handles were opened, is made
-            # current here too.
-            for device_id in sorted({d for _, _, d in regions}):
-                cuda_ipc.make_current(device_id)
         if regions:
             state.registrations.append(agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type))
         self._agents[name] = state
