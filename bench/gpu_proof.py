@@ -38,16 +38,14 @@ SIZES_IN_BLOCKS = (1, 4, 16, 64, 256, 1024)
 def _cuda_copy(pair) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:  # type: ignore[no-untyped-def]
     import torch
 
-    shape = (pair.layout.num_layers, pair.layout.num_blocks, pair.layout.block_len)
-    source = pair.producer.workers[0].buffer.tensor.view(shape)
-    target = pair.consumer.workers[0].buffer.tensor.view(shape)
+    from sidecar.tools.bench import copy_blocks, layer_major
+
+    source = layer_major(pair.producer.workers[0].buffer.tensor, pair.layout)
+    target = layer_major(pair.consumer.workers[0].buffer.tensor, pair.layout)
 
     def copy(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
         started = time.perf_counter()
-        if list(src) == list(range(src[0], src[0] + len(src))) and list(dst) == list(range(dst[0], dst[0] + len(dst))):
-            target[:, dst[0] : dst[0] + len(dst)].copy_(source[:, src[0] : src[0] + len(src)])
-        else:
-            target[:, list(dst)] = source[:, list(src)]
+        copy_blocks(source, target, src, dst)
         torch.cuda.synchronize()
         return [time.perf_counter() - started]
 
@@ -58,21 +56,19 @@ def _host_staging(gpu_pair, host_pair, mode: str):  # type: ignore[no-untyped-de
     """GPU -> host shm on P, kvsidecar between the host buffers, host shm -> GPU on D."""
     import torch
 
-    from sidecar.tools.bench import kvsidecar_path
+    from sidecar.tools.bench import copy_blocks, kvsidecar_path, layer_major
 
-    shape = (gpu_pair.layout.num_layers, gpu_pair.layout.num_blocks, gpu_pair.layout.block_len)
-    p_gpu = gpu_pair.producer.workers[0].buffer.tensor.view(shape)
-    d_gpu = gpu_pair.consumer.workers[0].buffer.tensor.view(shape)
-    p_host = torch.from_numpy(host_pair.producer.workers[0].buffer.array).view(shape)
-    d_host = torch.from_numpy(host_pair.consumer.workers[0].buffer.array).view(shape)
+    p_gpu = layer_major(gpu_pair.producer.workers[0].buffer.tensor, gpu_pair.layout)
+    d_gpu = layer_major(gpu_pair.consumer.workers[0].buffer.tensor, gpu_pair.layout)
+    p_host = layer_major(torch.from_numpy(host_pair.producer.workers[0].buffer.array), host_pair.layout)
+    d_host = layer_major(torch.from_numpy(host_pair.consumer.workers[0].buffer.array), host_pair.layout)
     transfer = kvsidecar_path(host_pair, mode)
 
     def run(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
         started = time.perf_counter()
-        first, last = src[0], src[0] + len(src)
-        p_host[:, first:last].copy_(p_gpu[:, first:last])  # src is adjacent in every scenario here
+        copy_blocks(p_gpu, p_host, src, src)
         transfer(src, dst, 1)
-        d_gpu[:, dst[0] : dst[0] + len(dst)].copy_(d_host[:, dst[0] : dst[0] + len(dst)])
+        copy_blocks(d_host, d_gpu, dst, dst)
         torch.cuda.synchronize()
         return [time.perf_counter() - started]
 

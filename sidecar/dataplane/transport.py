@@ -117,7 +117,7 @@ _NIXL_PACKAGES = ("nixl_cu12", "nixl_cu13")
 
 
 def nixl_package(installed: list[str], cuda_major: int | None) -> str:
-    """Which installed NIXL wheel to use (pure): the only one, else the node's CUDA version's."""
+    """Which installed NIXL wheel to use (pure): the only one, else the one built for ``cuda_major``."""
     if len(installed) == 1 or cuda_major is None:
         return installed[0]
     wanted = f"nixl_cu{cuda_major}"

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -124,14 +124,12 @@ class RawNixl:
         layout = self.layout = pair.layout
         source_buffer = pair.producer.workers[0].buffer
         target = pair.consumer.workers[0].buffer
-        # GPU engines: the device memory itself, registered as VRAM (the target process allocates
-        # its own, as an engine would: the raw floor never goes through CUDA IPC).
-        on_gpu = isinstance(source_buffer, CudaBuffer)
-        mem_type = "VRAM" if on_gpu else "DRAM"
         if isinstance(source_buffer, CudaBuffer):
-            source_base = int(source_buffer.tensor.data_ptr())
+            # GPU engines: the device memory itself, registered as VRAM (the target process
+            # allocates its own, as an engine would: the raw floor never goes through CUDA IPC).
+            mem_type, source_base = "VRAM", int(source_buffer.tensor.data_ptr())
         else:
-            source_base = int(source_buffer.array.ctypes.data)
+            mem_type, source_base = "DRAM", int(source_buffer.array.ctypes.data)
         config = api.nixl_agent_config(enable_prog_thread=False, capture_telemetry=False, backends=["UCX"])
         self.writer = api.nixl_agent(f"bench-raw-writer-{id(self)}", config)
         self.writer.register_memory([(source_base, layout.total_bytes, 0, "")], mem_type)
@@ -140,7 +138,7 @@ class RawNixl:
         if separate_process:
             # The child maps the destination file itself (or allocates GPU memory); its addresses
             # are what we write to.
-            where = "cuda:0" if on_gpu else str(target.path) if isinstance(target, SharedBuffer) else ""
+            where = "cuda:0" if mem_type == "VRAM" else str(cast(SharedBuffer, target).path)
             self.child = subprocess.Popen(
                 [*target_wrapper, sys.executable, "-m", "sidecar.tools.bench_target", where,
                  str(layout.total_bytes), str(target_poll_s)],
@@ -151,7 +149,7 @@ class RawNixl:
             target_name = self.writer.add_remote_agent(bytes.fromhex(metadata))
             target_base = int(address)
         else:
-            if on_gpu:
+            if mem_type == "VRAM":
                 raise ValueError("the in-process raw NIXL floor is measured on DRAM only")
             self.target = api.nixl_agent(f"bench-raw-target-{id(self)}", config)
             self.target.register_memory([(target.array.ctypes.data, layout.total_bytes, 0, "")], "DRAM")
@@ -212,23 +210,34 @@ class RawNixl:
                 self.child.kill()
 
 
+def layer_major(memory: Any, layout: KvLayout) -> Any:
+    """``memory`` (a numpy array or a torch tensor over a buffer) as (layers, blocks, bytes)."""
+    return memory[: layout.total_bytes].reshape(layout.num_layers, layout.num_blocks, layout.block_len)
+
+
+def copy_blocks(source: Any, target: Any, src: Sequence[int], dst: Sequence[int]) -> None:
+    """Copy blocks ``src`` of every layer of ``source`` into blocks ``dst`` of ``target`` (both
+    ``layer_major``, numpy or torch alike): one slice copy where both block lists are runs."""
+
+    def run(ids: Sequence[int]) -> bool:
+        return list(ids) == list(range(ids[0], ids[0] + len(ids)))
+
+    if run(src) and run(dst):
+        target[:, dst[0] : dst[0] + len(dst)] = source[:, src[0] : src[0] + len(src)]
+    else:
+        target[:, list(dst)] = source[:, list(src)]
+
+
 def memcpy_paths(pair: TransferPair) -> Callable[[Sequence[int], Sequence[int], int], list[float]]:
     assert pair.producer is not None and pair.consumer is not None
-    layout = pair.layout
-    source = pair.producer.workers[0].buffer.array[: layout.total_bytes].reshape(-1, layout.block_len)
-    target = pair.consumer.workers[0].buffer.array[: layout.total_bytes].reshape(-1, layout.block_len)
+    source = layer_major(pair.producer.workers[0].buffer.array, pair.layout)
+    target = layer_major(pair.consumer.workers[0].buffer.array, pair.layout)
 
     def copy(src: Sequence[int], dst: Sequence[int], count: int) -> list[float]:
         latencies = []
         started = time.perf_counter()
-        contiguous = list(src) == list(range(src[0], src[0] + len(src))) and list(dst) == list(
-            range(dst[0], dst[0] + len(dst))
-        )
         for _ in range(count):
-            if contiguous:
-                np.copyto(target[dst[0] : dst[0] + len(dst)], source[src[0] : src[0] + len(src)])
-            else:
-                target[list(dst)] = source[list(src)]
+            copy_blocks(source, target, src, dst)
             latencies.append(time.perf_counter() - started)
         return latencies
 
