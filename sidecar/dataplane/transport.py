@@ -139,7 +139,7 @@ def load_nixl() -> tuple[Any, str]:
     cuda_major = None
     if len(installed) > 1:
         try:
-            from nixl_meta_utils import detect_cuda_major  # type: ignore[import-untyped]  # the ``nixl`` meta package
+            from nixl_meta_utils import detect_cuda_major  # the ``nixl`` meta package (optional)
 
             cuda_major = detect_cuda_major()
         except Exception:  # no meta package, or its guess failed: the first installed wheel
