@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,10 +25,11 @@ from engine_shim.client import SidecarClient, grouped, remote
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.config import Settings
+from sidecar.core.consumer import ConsumerRequest
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
 from sidecar.core.trace import TraceRecorder
-from sidecar.errors import NotFound
+from sidecar.errors import DeadlineExceeded, NotFound
 from tests.support.fake_transport import FakeFabric
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
@@ -443,27 +445,134 @@ def test_a_gpu_producer_refuses_digests_and_the_checking_consumers_load_fails_sa
     run(scenario)
 
 
-def test_a_gpu_consumer_that_gives_up_unfenced_says_so(tmp_path: Path) -> None:
-    """A push given up while the producer may still write: shared memory is fenced (mprotect), GPU
-    memory cannot be, and the LOAD_FAILED says that. Stand-in: D's worker and its mappings are
-    *marked* as GPU memory (the flags the consumer and the fences read; its bytes stay in shared
-    memory, no GPU here)."""
+def _mark_gpu(h: Harness, gpu: bool) -> None:
+    """Stand-in for GPU KV (no GPU here): D's worker and its mappings are *marked* as GPU memory,
+    the flags the consumer and the fences read, while the bytes stay in shared memory. Set back
+    before teardown so it unmaps them."""
+    worker = h.node.registry.worker(D, 0, 0)
+    assert worker is not None
+    worker.mem_type = "VRAM" if gpu else "DRAM"
+    for memory in worker.memories:
+        memory.kind = worker.mem_type
+
+
+async def _push_given_up(h: Harness, request_id: str, timeout: float) -> ConsumerRequest:
+    """D registers a push from P (which never submits); returns the consumer's request."""
+    expect = SidecarClient.expect_push_request(
+        D, request_id, [[5, 6]], remote(ADDRESS, P, "never-submitted"), timeout_seconds=timeout
+    )
+    await h.node.consumer.expect_push(expect)
+    return h.node.consumer.requests[(D, request_id)]
+
+
+def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(tmp_path: Path) -> None:
+    """A push given up while the producer cannot answer (it may be hung, and resume): shared memory
+    is fenced (mprotect); GPU memory cannot be, so the engine must not get the blocks back (a
+    recompute would be overwritten) until the producer can no longer post a WRITE: the PushReg's
+    timeout after it arrived, plus the grace for one already posted."""
+
+    async def scenario() -> None:
+        fast = {"heartbeat_interval_seconds": 0.05, "transfer_timeout_seconds": 0.2, "peer_call_timeout_seconds": 0.1}
+        async with harness(tmp_path, **fast) as h:
+            _mark_gpu(h, True)
+            pending = await _push_given_up(h, "req-h-d", timeout=0.4)
+            quiet_at = pending.writes_quiet_at
+            assert quiet_at is not None, "the producer's PushReg answer must promise an end to its WRITEs"
+
+            # Stand-in for a producer that does not answer (SIGSTOPped): no answer to "is a WRITE
+            # in flight?", and heartbeats time out (each then counts as missed).
+            async def no_answer(*args: Any, **kwargs: Any) -> None:
+                return None
+
+            async def heartbeat_times_out(*args: Any, **kwargs: Any) -> None:
+                raise DeadlineExceeded("heartbeat: the producer did not answer")
+
+            h.node.consumer._ask_producer = no_answer  # type: ignore[method-assign]
+            h.node.peers.heartbeat = heartbeat_times_out  # type: ignore[method-assign]
+            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            assert worker.events.empty(), "GPU blocks went back while the producer could still write"
+            failed = await h.next_event(D)
+            seen_at = time.monotonic()
+            _mark_gpu(h, False)
+            assert failed.kind == engine_pb2.LOAD_FAILED and failed.request_id == "req-h-d", failed
+            assert seen_at >= quiet_at, f"LOAD_FAILED {quiet_at - seen_at:.3f} s before the producer went quiet"
+            assert "GPU memory: blocks held until the producer could no longer post a WRITE" in failed.reason
+            assert "the producer did not answer" in failed.reason, failed.reason
+            assert sorted(failed.failed_block_ids) == [5, 6]
+            assert (D, "req-h-d") not in h.node.consumer.requests
+
+    run(scenario)
+
+
+def test_a_held_gpu_push_ends_as_soon_as_the_producer_answers(tmp_path: Path) -> None:
+    """The hold ends early when the producer answers that no WRITE is in flight (here P's sidecar
+    drops the registration it was waiting on), long before its registration's timeout."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, heartbeat_interval_seconds=0.05) as h:
+            _mark_gpu(h, True)
+            pending = await _push_given_up(h, "req-a-d", timeout=60.0)
+            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            failed = await h.next_event(D, timeout=5.0)
+            _mark_gpu(h, False)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "held until the producer answered that no WRITE is in flight" in failed.reason, failed.reason
+            assert not h.node.producer.matcher.pending_registrations, "the producer still waits to write"
+
+    run(scenario)
+
+
+def test_a_gpu_consumer_whose_producer_promised_nothing_says_it_is_unfenced(tmp_path: Path) -> None:
+    """A producer that promised no end to its WRITEs (``writes_end_within_seconds`` 0, an older
+    sidecar): holding could last forever, so the LOAD_FAILED goes out and says the blocks are
+    not protected."""
 
     async def scenario() -> None:
         async with harness(tmp_path) as h:
-            worker = h.node.registry.worker(D, 0, 0)
-            assert worker is not None
-            worker.mem_type = "VRAM"
-            for memory in worker.memories:
-                memory.kind = "VRAM"  # what the fences look at; set back below so teardown unmaps it
-            expect = SidecarClient.expect_push_request(D, "req-u-d", [[5, 6]], remote(ADDRESS, P, "req-u"))
-            await h.node.consumer.expect_push(expect)
-            pending = next(iter(h.node.consumer.requests.values()))
+            _mark_gpu(h, True)
+            pending = await _push_given_up(h, "req-u-d", timeout=60.0)
+            pending.writes_quiet_at = None  # what an answer without the promise leaves
             h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
-            for memory in worker.memories:
-                memory.kind = "DRAM"
+            _mark_gpu(h, False)
             failed = await h.next_event(D)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
             assert "GPU memory: not fenced against a late WRITE" in failed.reason, failed.reason
+
+    run(scenario)
+
+
+def test_a_producer_posts_no_write_after_the_push_registration_timed_out(tmp_path: Path) -> None:
+    """The producer's half of the promise: a WRITE whose posting comes later than the PushReg's
+    timeout after it arrived (here the producer's handshake of the consumer is slow) is not posted,
+    and the consumer's blocks stay as they were."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            h.p.fill([3, 4], seed=7)
+            before = h.d.blocks([5, 6])
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-late", [[3, 4]]))
+            engine_view = h.node.peers.engine
+
+            async def slow_view(address: str, engine_id: str, *args: Any) -> Any:
+                if engine_id == D:  # only the producer's view of the consumer (a slow peer)
+                    await asyncio.sleep(0.6)
+                return await engine_view(address, engine_id, *args)
+
+            h.node.peers.engine = slow_view  # type: ignore[method-assign]
+            expect = SidecarClient.expect_push_request(
+                D, "req-late-d", [[5, 6]], remote(ADDRESS, P, "req-late"), timeout_seconds=0.3
+            )
+            answer = await h.node.consumer.expect_push(expect)
+            assert answer.matched, answer
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            sent = await h.next_event(P)
+            assert sent.request_id == "req-late", sent
+            assert h.d.blocks([5, 6]) == before, "a WRITE landed after the consumer's registration timed out"
+            assert h.fabric.transfers and all(
+                spec.not_after is not None and spec.not_after <= time.monotonic() for spec in h.fabric.transfers
+            )
 
     run(scenario)

@@ -145,12 +145,14 @@ class PushRegRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., decode_generation: _Optional[str] = ..., want_digests: _Optional[bool] = ...) -> None: ...
 
 class PushRegResponse(_message.Message):
-    __slots__ = ("sidecar_id", "matched")
+    __slots__ = ("sidecar_id", "matched", "writes_end_within_seconds")
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_FIELD_NUMBER: _ClassVar[int]
+    WRITES_END_WITHIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sidecar_id: str
     matched: bool
-    def __init__(self, sidecar_id: _Optional[str] = ..., matched: _Optional[bool] = ...) -> None: ...
+    writes_end_within_seconds: float
+    def __init__(self, sidecar_id: _Optional[str] = ..., matched: _Optional[bool] = ..., writes_end_within_seconds: _Optional[float] = ...) -> None: ...
 
 class RequestKey(_message.Message):
     __slots__ = ("request_id", "transfer_id", "consumer_request_id", "block_ids")

@@ -23,7 +23,11 @@ No block goes back to the engine while a transfer may still land in it:
   drop the request and waits (bounded) for its WRITEs to end. If the producer cannot answer (hung,
   stopped) or the bound passes, the blocks' pages are fenced (made read-only in this sidecar,
   ``dataplane.memory.WriteFences``) before LOAD_FAILED, so a WRITE that resumes later fails instead of landing;
-  the fence is lifted once the producer answers that nothing is in flight, or is gone.
+  the fence is lifted once the producer answers that nothing is in flight, or is gone, or can no
+  longer post a WRITE: it posts none later than the registration's timeout after the PushReg
+  reached it (``PushRegResponse.writes_end_within_seconds``), and one posted before that is given
+  the transfer timeout to end. GPU memory cannot be made read-only: there the LOAD_FAILED itself
+  waits for the same answers or that time, and the engine keeps the blocks until then.
 
 Why one module of ~850 lines: pull, push, the keep-alive heartbeats and the write fences share one
 request table, one "does the producer still hold it" state (``_confirmed``, ``_first_unknown``,
@@ -99,6 +103,10 @@ class ConsumerRequest:
     received: bool = False
     cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
     cancel_reason: str = ""
+    # push: when (monotonic) the producer can no longer post or finish a WRITE into our blocks (its
+    # promise from the PushReg answer + the transfer's grace); None: it promised nothing.
+    writes_quiet_at: float | None = None
+    held: bool = False  # push given up on GPU memory: its LOAD_FAILED waits (see ``_Fence``)
     bytes_moved: int = 0
     digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
     missed_heartbeats: int = 0  # consecutive periodic heartbeats for it that its producer did not answer
@@ -148,10 +156,16 @@ class KeptAlive:
 
 @dataclass
 class _Fence:
-    """Pages fenced against a producer's late WRITEs for a push this side gave up on."""
+    """A push this side gave up on while its producer may still write. Shared memory: its pages
+    are fenced (``token``) and the engine already has its LOAD_FAILED. GPU memory, which cannot be
+    fenced: ``held`` is the LOAD_FAILED (reason, metric label) still owed, and the engine keeps
+    the blocks until the fence ends: the producer answers that nothing is in flight, or
+    ``quiet_at`` (``ConsumerRequest.writes_quiet_at``) passes."""
 
     request: ConsumerRequest
     token: FenceToken
+    quiet_at: float | None = None
+    held: tuple[str, str] | None = None
     checking: bool = False
 
 
@@ -292,7 +306,9 @@ class ConsumerSide:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
             if isinstance(exc, DeadlineExceeded):
-                # The PushReg may have reached a producer that is only slow: it could still write.
+                # The PushReg may have reached a producer that is only slow: it could still write,
+                # though not past our timeout from its arrival, which was before now.
+                pending.writes_quiet_at = time.monotonic() + timeout + self._write_grace()
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
                 self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
@@ -649,6 +665,8 @@ class ConsumerSide:
             ),
         )
         pending.registered = True
+        if response.writes_end_within_seconds > 0:
+            pending.writes_quiet_at = time.monotonic() + response.writes_end_within_seconds + self._write_grace()
         ctx.trace.event(
             "consumer",
             pending.engine_id,
@@ -692,13 +710,20 @@ class ConsumerSide:
             self._fail_fenced(pending, f"{why}; the producer did not answer", label)
         elif in_flight:
             pending.cancel_reason = why
-            grace = settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
-            self.watchdogs.set(pending.key, time.monotonic() + grace)
+            self.watchdogs.set(pending.key, time.monotonic() + self._write_grace())
         else:
             self._fail(pending, why, reason_label=label)
 
+    def _write_grace(self) -> float:
+        """How long a WRITE already posted (or a producer's answer about one) may take to end."""
+        settings = self._ctx.settings
+        return settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
+
     def _fail_fenced(self, pending: ConsumerRequest, reason: str, label: str) -> None:
-        """LOAD_FAILED for a push whose producer may still write: fence the blocks' pages first."""
+        """LOAD_FAILED for a push whose producer may still write: fence the blocks' pages first; on
+        GPU memory, hold the LOAD_FAILED until no WRITE can land (see ``_Fence``)."""
+        if pending.held:
+            return  # already waiting for its producer to go quiet
         engine = self._ctx.registry.engines.get(pending.engine_id)
         token: FenceToken = []
         if engine is not None and pending.key in self.requests:
@@ -709,29 +734,47 @@ class ConsumerSide:
                 log.error(
                     "push_fence_failed", engine_id=pending.engine_id, request_id=pending.request_id, error=str(exc)
                 )
-            if token:
-                self._fenced.append(_Fence(pending, token))
-                log.warning(
-                    "push_fenced",
-                    engine_id=pending.engine_id,
-                    request_id=pending.request_id,
-                    peer=pending.remote.address,
-                    pages=len(token),
-                )
-        if not token and engine is not None and any(w.mem_type == "VRAM" for w in engine.ordered_workers()):
-            # mprotect cannot reach device memory: say so where the operator and the engine see it.
+        quiet_at = pending.writes_quiet_at
+        if token:
+            self._fenced.append(_Fence(pending, token, quiet_at))
             log.warning(
-                "push_gave_up_unfenced",
+                "push_fenced",
                 engine_id=pending.engine_id,
                 request_id=pending.request_id,
                 peer=pending.remote.address,
-                why="GPU memory cannot be made read-only; a producer that resumes could still write these blocks",
+                pages=len(token),
             )
-            reason = f"{reason} (GPU memory: not fenced against a late WRITE)"
-        self._fail(pending, f"{reason} (blocks fenced against late WRITEs)" if token else reason, reason_label=label)
+            reason = f"{reason} (blocks fenced against late WRITEs)"
+        elif engine is not None and any(w.mem_type == "VRAM" for w in engine.ordered_workers()):
+            # mprotect cannot reach device memory: keep the blocks from the engine instead.
+            now = time.monotonic()
+            if quiet_at is not None and now < quiet_at and pending.key in self.requests:
+                pending.held = True
+                self._fenced.append(_Fence(pending, [], quiet_at, held=(reason, label)))
+                log.warning(
+                    "push_held",
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    peer=pending.remote.address,
+                    why=reason,
+                    at_most_seconds=round(quiet_at - now, 3),
+                    detail="GPU memory cannot be made read-only: the LOAD_FAILED waits until the producer "
+                    "answers that no WRITE is in flight, or can no longer post one",
+                )
+                return
+            if quiet_at is None:
+                log.warning(
+                    "push_gave_up_unfenced",
+                    engine_id=pending.engine_id,
+                    request_id=pending.request_id,
+                    peer=pending.remote.address,
+                    why="GPU memory cannot be made read-only, and the producer promised no end to its WRITEs",
+                )
+                reason = f"{reason} (GPU memory: not fenced against a late WRITE)"
+        self._fail(pending, reason, reason_label=label)
 
     async def _check_fence(self, fence: _Fence) -> None:
-        """Lift a fence once the producer says nothing of the request is in flight, or its sidecar
+        """End a fence once the producer says nothing of the request is in flight, or its sidecar
         is not running (refused connection: a dead process writes nothing)."""
         fence.checking = True
         try:
@@ -740,10 +783,30 @@ class ConsumerSide:
             )
         finally:
             fence.checking = False
-        if in_flight is False and fence in self._fenced:
-            self._fenced.remove(fence)
+        if in_flight is False:
+            self._end_fence(fence, "the producer answered that no WRITE is in flight")
+
+    def _end_fences(self) -> None:
+        """Called each heartbeat round: end the fences whose producer can no longer write, check
+        the others with their producer."""
+        now = time.monotonic()
+        for fence in list(self._fenced):
+            if fence.quiet_at is not None and now >= fence.quiet_at:
+                self._end_fence(fence, "the producer could no longer post a WRITE")
+            elif not fence.checking:
+                self._ctx.tasks.spawn(self._check_fence(fence), engines=[])
+
+    def _end_fence(self, fence: _Fence, why: str) -> None:
+        if fence not in self._fenced:
+            return
+        self._fenced.remove(fence)
+        pending = fence.request
+        if fence.token:
             self.fences.lift(fence.token)
-            log.info("push_fence_lifted", engine_id=fence.request.engine_id, request_id=fence.request.request_id)
+            log.info("push_fence_lifted", engine_id=pending.engine_id, request_id=pending.request_id, why=why)
+        if fence.held is not None and self.requests.get(pending.key) is pending:
+            reason, label = fence.held
+            self._fail(pending, f"{reason} (GPU memory: blocks held until {why})", reason_label=label)
 
     # --- heartbeats ---------------------------------------------------------------------------
 
@@ -751,14 +814,15 @@ class ConsumerSide:
         while True:
             period = min([self._ctx.settings.heartbeat_interval, *self._pace.values()])
             try:
-                # A newly learned, faster producer pace cuts the current wait short.
-                await asyncio.wait_for(self._pace_changed.wait(), period)
+                # A newly learned, faster producer pace cuts the current wait short. (Not
+                # ``wait_for``: on Python 3.11 it can swallow a cancellation that meets its timeout,
+                # and this loop then never ends; with short intervals a node's stop hung so.)
+                async with asyncio.timeout(period):
+                    await self._pace_changed.wait()
                 self._pace_changed.clear()
             except TimeoutError:
                 pass
-            for fence in self._fenced:
-                if not fence.checking:
-                    self._ctx.tasks.spawn(self._check_fence(fence), engines=[])
+            self._end_fences()
             try:
                 await self.heartbeat_once()
             except Exception as exc:

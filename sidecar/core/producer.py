@@ -68,11 +68,14 @@ RequestKey = tuple[str, str]  # (engine_id, request_id)
 
 
 class PushOrder(NamedTuple):
-    """What a consumer's registration carries to the push it starts: its PushReg and the
-    validated destination blocks."""
+    """What a consumer's registration carries to the push it starts: its PushReg, the validated
+    destination blocks, and the time (monotonic) after which no WRITE of it may be posted: the
+    PushReg's arrival + its timeout, which the answer promised the consumer
+    (``writes_end_within_seconds``)."""
 
     request: peer_pb2.PushRegRequest
     blocks: BlockIds
+    writes_until: float
 
 
 @dataclass
@@ -87,6 +90,8 @@ class ProducerRequest:
     created: float = field(default_factory=time.monotonic)
     notices: NoticeTally = field(default_factory=NoticeTally)
     writing: bool = False
+    # While writing: the registration's deadline for posting a WRITE (``PushOrder.writes_until``).
+    writes_until: float = 0.0
     held: bool = False
     bytes_moved: int = 0
     # Until when (monotonic) a consumer may still READ these blocks (see the module docstring).
@@ -354,6 +359,9 @@ class ProducerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
+        # Measured from the arrival, before anything here can wait: the consumer measures its end
+        # of the promise from its receipt of our answer, which is later.
+        writes_until = time.monotonic() + timeout
         await await_engine(ctx, request.prefill_engine_id)  # the consumer may be earlier than our engine
         engine = ctx.registry.engines.get(request.prefill_engine_id)
         if engine is None:
@@ -382,15 +390,26 @@ class ProducerSide:
         elif reg_key in self._pushing and self._pushing[reg_key] in self.requests:
             self._authorize(self.requests[self._pushing[reg_key]], identity, "PushReg", what)
         if reg_key in self._pushing or existing is not None:
-            # A repeated registration: the first one is already matched or waiting.
-            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=reg_key in self._pushing)
+            # A repeated registration: the first one is already matched or waiting, and its
+            # deadline is the one the WRITEs keep.
+            if existing is not None:
+                first = existing.order.writes_until
+            else:
+                writing = self.requests.get(self._pushing[reg_key])
+                first = writing.writes_until if writing is not None else writes_until
+            return peer_pb2.PushRegResponse(
+                sidecar_id=ctx.identity.sidecar_id,
+                matched=reg_key in self._pushing,
+                # Past already: "none from now on" (0 would mean "no promise").
+                writes_end_within_seconds=max(0.001, first - (writes_until - timeout)),
+            )
         registration = Registration(
             engine_id=request.prefill_engine_id,
             decode_engine_id=request.decode_engine_id,
             request_id=request.request_id,
             transfer_id=request.transfer_id,
             prefill_request_id=request.prefill_request_id,
-            order=PushOrder(request, blocks),
+            order=PushOrder(request, blocks, writes_until),
             identity=identity,
         )
         if self.matcher.submission_matching(registration) is None:
@@ -410,13 +429,17 @@ class ProducerSide:
                 ids=(request.prefill_request_id,),
                 peer=request.caller.address,
             )
-            self._registration_deadlines.set(reg_key, time.monotonic() + timeout)
+            self._registration_deadlines.set(reg_key, writes_until)
             self._update_gauges()
-            return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=False)
+            return peer_pb2.PushRegResponse(
+                sidecar_id=ctx.identity.sidecar_id, matched=False, writes_end_within_seconds=timeout
+            )
         pending = self.requests[submission.key]
         self._start_push(pending, registration)
         self._update_gauges()
-        return peer_pb2.PushRegResponse(sidecar_id=ctx.identity.sidecar_id, matched=True)
+        return peer_pb2.PushRegResponse(
+            sidecar_id=ctx.identity.sidecar_id, matched=True, writes_end_within_seconds=timeout
+        )
 
     async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
         """Integrity, pull: digests of a held request's span, hashed from the engine's memory in a
@@ -577,10 +600,11 @@ class ProducerSide:
     # --- push ---------------------------------------------------------------------------------
 
     def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
-        request, blocks = registration.order
+        request, blocks, _ = registration.order
         self._registration_deadlines.cancel(registration.key)
         pending.peer_identity = registration.identity or pending.peer_identity
         pending.writing = True
+        pending.writes_until = registration.order.writes_until
         trace = self._ctx.trace
         trace.event(
             "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
@@ -633,7 +657,11 @@ class ProducerSide:
                 pending.writing = False
                 self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
                 return
-            not_after = self.leases.deadline(pending.key)
+            # Past the lease our engine may reuse the blocks; past the registration's deadline the
+            # consumer may have handed its own back (see PushOrder).
+            lease_end = self.leases.deadline(pending.key)
+            writes_until = registration.order.writes_until
+            not_after = writes_until if lease_end is None else min(lease_end, writes_until)
             signed = None
             if request.want_digests:
                 span = ctx.dataplane.digest_span(

@@ -58,6 +58,8 @@ class TransferResult:
     reported_at: float = 0.0
 
 
+NOT_POSTED_LATE = "not posted: past its deadline (the producer's lease or the consumer's push registration ended)"
+
 # (op, result) of every finished transfer, called on the transport's thread (metrics only).
 XferDoneCallback = Callable[[str, TransferResult], None]
 
@@ -67,8 +69,9 @@ class TransferSpec:
     """One READ or WRITE between a local agent and a remote one, with its notification.
 
     ``local_indices`` / ``remote_indices`` select descriptors of the two prepared lists;
-    ``deadline`` (monotonic) bounds it; ``not_after`` (monotonic) refuses to post it once passed,
-    e.g. when the producer's lease ended while the transfer waited to be posted."""
+    ``deadline`` (monotonic) bounds it; ``not_after`` (monotonic) refuses to post it once passed
+    (``NOT_POSTED_LATE``): the producer's lease ended, or a push consumer's registration did, while
+    the transfer waited to be posted."""
 
     agent_name: str
     op: str  # "READ" | "WRITE"

@@ -60,6 +60,7 @@ import numpy as np
 from sidecar.config import NixlSettings
 from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import (
+    NOT_POSTED_LATE,
     DlistSpec,
     NotificationsCallback,
     RemoteAgent,
@@ -507,7 +508,7 @@ class NixlTransport:
                 continue
             now = time.monotonic()
             if split.not_after is not None and now > split.not_after:
-                self._fail_split(split, "not posted: the producer's lease already ended")
+                self._fail_split(split, NOT_POSTED_LATE)
                 return True
             if now > split.deadline:
                 self._fail_split(split, f"{split.op} did not complete within its deadline")
@@ -720,7 +721,7 @@ class NixlTransport:
         agent_name, op, remote = spec.agent_name, spec.op, spec.remote
         now = time.monotonic()
         if spec.not_after is not None and now > spec.not_after:
-            self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
+            self._complete(future, TransferResult(False, NOT_POSTED_LATE))
             return _DEFERRED
         state = self._agents.get(agent_name)
         if state is None:
@@ -755,7 +756,7 @@ class NixlTransport:
         """Post a transfer over explicit descriptor arrays (prepared for this transfer only)."""
         now = time.monotonic()
         if spec.not_after is not None and now > spec.not_after:
-            self._complete(future, TransferResult(False, "not posted: the producer's lease already ended"))
+            self._complete(future, TransferResult(False, NOT_POSTED_LATE))
             return _DEFERRED
         state = self._agents.get(spec.agent_name)
         if state is None:

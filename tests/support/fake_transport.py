@@ -29,6 +29,7 @@ import numpy as np
 
 from sidecar.config import NixlSettings
 from sidecar.dataplane.contract import (
+    NOT_POSTED_LATE,
     NotificationsCallback,
     RemoteAgent,
     RunsSpec,
@@ -134,7 +135,7 @@ class FakeTransport:
 
     async def _transfer(self, spec: TransferSpec | RunsSpec) -> TransferResult:
         if spec.not_after is not None and time.monotonic() > spec.not_after:
-            return TransferResult(False, "not posted: the producer's lease already ended")
+            return TransferResult(False, NOT_POSTED_LATE)
         if self._fabric.gate is not None:
             await self._fabric.gate.wait()
         local = self._fabric.agents.get(spec.agent_name)
