@@ -23,13 +23,13 @@ import pytest
 
 from engine_shim.client import SidecarClient, grouped, remote
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
-from kvsidecar.v1 import common_pb2, engine_pb2
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.config import Settings
 from sidecar.core.consumer import ConsumerRequest
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
 from sidecar.core.trace import TraceRecorder
-from sidecar.errors import DeadlineExceeded, NotFound
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from tests.support.fake_transport import FakeFabric
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
@@ -472,7 +472,12 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
     timeout after it arrived, plus the grace for one already posted."""
 
     async def scenario() -> None:
-        fast = {"heartbeat_interval_seconds": 0.05, "transfer_timeout_seconds": 0.2, "peer_call_timeout_seconds": 0.1}
+        fast = {
+            "heartbeat_interval_seconds": 0.05,
+            "transfer_timeout_seconds": 0.2,
+            "peer_call_timeout_seconds": 0.1,
+            "voucher_clock_skew_seconds": 0.1,
+        }
         async with harness(tmp_path, **fast) as h:
             _mark_gpu(h, True)
             pending = await _push_given_up(h, "req-h-d", timeout=0.4)
@@ -543,13 +548,42 @@ def test_a_gpu_consumer_whose_producer_promised_nothing_says_it_is_unfenced(tmp_
     run(scenario)
 
 
+def test_a_push_registration_handled_after_its_write_by_is_refused(tmp_path: Path) -> None:
+    """A PushReg the producer only gets to after the consumer's write_by (less the clock allowance)
+    must not register: the consumer has given up and may have handed its blocks back. The answer
+    says why, and no registration is left to match a later SubmitBlocks."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            late = peer_pb2.PushRegRequest(
+                caller=h.node.identity.info(),
+                prefill_engine_id=P,
+                decode_engine_id=D,
+                request_id="req-w-d",
+                block_ids=grouped([[5, 6]]),
+                timeout_seconds=60.0,
+                write_by_unix_ms=int((time.time() - 1.0) * 1000),
+            )
+            with pytest.raises(FailedPrecondition, match=r"write_by_unix_ms.*the consumer has given up"):
+                await h.node.producer.handle_push_reg(late)
+            assert not h.node.producer.matcher.pending_registrations
+            in_time = peer_pb2.PushRegRequest()
+            in_time.CopyFrom(late)
+            in_time.write_by_unix_ms = int((time.time() + 2.0) * 1000)
+            answer = await h.node.producer.handle_push_reg(in_time)
+            # 2 s less the 0.5 s clock allowance, not the 60 s timeout.
+            assert 1.0 < answer.writes_end_within_seconds <= 1.5, answer
+
+    run(scenario)
+
+
 def test_a_producer_posts_no_write_after_the_push_registration_timed_out(tmp_path: Path) -> None:
     """The producer's half of the promise: a WRITE whose posting comes later than the PushReg's
     timeout after it arrived (here the producer's handshake of the consumer is slow) is not posted,
     and the consumer's blocks stay as they were."""
 
     async def scenario() -> None:
-        async with harness(tmp_path) as h:
+        async with harness(tmp_path, voucher_clock_skew_seconds=0.05) as h:
             h.p.fill([3, 4], seed=7)
             before = h.d.blocks([5, 6])
             await h.node.producer.submit(SidecarClient.submit_request(P, "req-late", [[3, 4]]))

@@ -117,7 +117,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., engine: _Optional[_Union[EngineDescriptor, _Mapping]] = ...) -> None: ...
 
 class PushRegRequest(_message.Message):
-    __slots__ = ("caller", "prefill_engine_id", "prefill_request_id", "transfer_id", "decode_engine_id", "request_id", "block_ids", "decode_tp_size", "compatibility_hash", "timeout_seconds", "decode_generation", "want_digests")
+    __slots__ = ("caller", "prefill_engine_id", "prefill_request_id", "transfer_id", "decode_engine_id", "request_id", "block_ids", "decode_tp_size", "compatibility_hash", "timeout_seconds", "decode_generation", "want_digests", "write_by_unix_ms")
     CALLER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class PushRegRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     WANT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     caller: _common_pb2.SidecarInfo
     prefill_engine_id: str
     prefill_request_id: str
@@ -142,7 +143,8 @@ class PushRegRequest(_message.Message):
     timeout_seconds: float
     decode_generation: str
     want_digests: bool
-    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., decode_generation: _Optional[str] = ..., want_digests: _Optional[bool] = ...) -> None: ...
+    write_by_unix_ms: int
+    def __init__(self, caller: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Union[_common_pb2.GroupedBlockIds, _Mapping]] = ..., decode_tp_size: _Optional[int] = ..., compatibility_hash: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., decode_generation: _Optional[str] = ..., want_digests: _Optional[bool] = ..., write_by_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PushRegResponse(_message.Message):
     __slots__ = ("sidecar_id", "matched", "writes_end_within_seconds")

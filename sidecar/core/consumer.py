@@ -23,11 +23,13 @@ No block goes back to the engine while a transfer may still land in it:
   drop the request and waits (bounded) for its WRITEs to end. If the producer cannot answer (hung,
   stopped) or the bound passes, the blocks' pages are fenced (made read-only in this sidecar,
   ``dataplane.memory.WriteFences``) before LOAD_FAILED, so a WRITE that resumes later fails instead of landing;
-  the fence is lifted once the producer answers that nothing is in flight, or is gone, or can no
-  longer post a WRITE: it posts none later than the registration's timeout after the PushReg
-  reached it (``PushRegResponse.writes_end_within_seconds``), and one posted before that is given
-  the transfer timeout to end. GPU memory cannot be made read-only: there the LOAD_FAILED itself
-  waits for the same answers or that time, and the engine keeps the blocks until then.
+  the fence is lifted once the producer answers that nothing is in flight, or is gone. GPU memory
+  cannot be made read-only: there the LOAD_FAILED itself waits for those answers, bounded by the
+  time the producer can no longer post a WRITE (it posts none later than the registration's
+  timeout after the PushReg reached it, ``PushRegResponse.writes_end_within_seconds``) plus the
+  grace for one posted before; the engine keeps the blocks until then. (Not a bound for pages:
+  a producer stopped in the middle of a posted WRITE finishes it when it resumes, whenever that
+  is, and a fence costs the engine nothing while it stands.)
 
 Why one module of ~850 lines: pull, push, the keep-alive heartbeats and the write fences share one
 request table, one "does the producer still hold it" state (``_confirmed``, ``_first_unknown``,
@@ -103,6 +105,8 @@ class ConsumerRequest:
     received: bool = False
     cancelling: bool = False  # push released or watchdog fired; waiting for in-flight WRITEs to end
     cancel_reason: str = ""
+    # push: when (monotonic) the registration's timeout ends (its PushReg's write_by).
+    push_deadline: float = 0.0
     # push: when (monotonic) the producer can no longer post or finish a WRITE into our blocks (its
     # promise from the PushReg answer + the transfer's grace); None: it promised nothing.
     writes_quiet_at: float | None = None
@@ -157,15 +161,16 @@ class KeptAlive:
 @dataclass
 class _Fence:
     """A push this side gave up on while its producer may still write. Shared memory: its pages
-    are fenced (``token``) and the engine already has its LOAD_FAILED. GPU memory, which cannot be
-    fenced: ``held`` is the LOAD_FAILED (reason, metric label) still owed, and the engine keeps
-    the blocks until the fence ends: the producer answers that nothing is in flight, or
-    ``quiet_at`` (``ConsumerRequest.writes_quiet_at``) passes."""
+    are fenced (``token``), the engine already has its LOAD_FAILED, and the fence ends when the
+    producer answers that nothing is in flight or is gone. GPU memory, which cannot be fenced:
+    ``held`` is the LOAD_FAILED (reason, metric label) still owed, the engine keeps the blocks,
+    and it ends on the same answers or, at the latest, at ``held_until``
+    (``ConsumerRequest.writes_quiet_at``)."""
 
     request: ConsumerRequest
     token: FenceToken
-    quiet_at: float | None = None
     held: tuple[str, str] | None = None
+    held_until: float = 0.0
     checking: bool = False
 
 
@@ -300,15 +305,16 @@ class ConsumerSide:
         pending = self._admit(request, common_pb2.TRANSFER_MODE_PUSH, local)
         if pending is None:
             return engine_pb2.ExpectPushResponse(registered=False, matched=False)
-        self.watchdogs.set(pending.key, time.monotonic() + timeout)
+        pending.push_deadline = time.monotonic() + timeout
+        self.watchdogs.set(pending.key, pending.push_deadline)
         # Registering needs a handshake and a peer call; both are bounded by peer_call_timeout.
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
             if isinstance(exc, DeadlineExceeded):
-                # The PushReg may have reached a producer that is only slow: it could still write,
-                # though not past our timeout from its arrival, which was before now.
-                pending.writes_quiet_at = time.monotonic() + timeout + self._write_grace()
+                # The PushReg may have reached a producer that is only slow (or stopped): it could
+                # still write, though not past the write_by it carried (clocks within allowance).
+                pending.writes_quiet_at = pending.push_deadline + self._write_grace()
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
                 self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
@@ -662,6 +668,7 @@ class ConsumerSide:
                 timeout_seconds=timeout,
                 decode_generation=engine.generation,
                 want_digests=self._checks_integrity(pending),
+                write_by_unix_ms=int((time.time() + pending.push_deadline - time.monotonic()) * 1000),
             ),
         )
         pending.registered = True
@@ -736,7 +743,7 @@ class ConsumerSide:
                 )
         quiet_at = pending.writes_quiet_at
         if token:
-            self._fenced.append(_Fence(pending, token, quiet_at))
+            self._fenced.append(_Fence(pending, token))
             log.warning(
                 "push_fenced",
                 engine_id=pending.engine_id,
@@ -750,7 +757,7 @@ class ConsumerSide:
             now = time.monotonic()
             if quiet_at is not None and now < quiet_at and pending.key in self.requests:
                 pending.held = True
-                self._fenced.append(_Fence(pending, [], quiet_at, held=(reason, label)))
+                self._fenced.append(_Fence(pending, [], held=(reason, label), held_until=quiet_at))
                 log.warning(
                     "push_held",
                     engine_id=pending.engine_id,
@@ -787,11 +794,19 @@ class ConsumerSide:
             self._end_fence(fence, "the producer answered that no WRITE is in flight")
 
     def _end_fences(self) -> None:
-        """Called each heartbeat round: end the fences whose producer can no longer write, check
-        the others with their producer."""
+        """Called each heartbeat round: end the holds whose producer can no longer post a WRITE,
+        check the other fences with their producer."""
         now = time.monotonic()
         for fence in list(self._fenced):
-            if fence.quiet_at is not None and now >= fence.quiet_at:
+            if fence.held is not None and now >= fence.held_until:
+                log.warning(
+                    "push_hold_ended_unanswered",
+                    engine_id=fence.request.engine_id,
+                    request_id=fence.request.request_id,
+                    peer=fence.request.remote.address,
+                    why="the producer never answered; it can post no more WRITEs, but one it was "
+                    "stopped in the middle of would finish when it resumes",
+                )
                 self._end_fence(fence, "the producer could no longer post a WRITE")
             elif not fence.checking:
                 self._ctx.tasks.spawn(self._check_fence(fence), engines=[])

@@ -69,9 +69,8 @@ RequestKey = tuple[str, str]  # (engine_id, request_id)
 
 class PushOrder(NamedTuple):
     """What a consumer's registration carries to the push it starts: its PushReg, the validated
-    destination blocks, and the time (monotonic) after which no WRITE of it may be posted: the
-    PushReg's arrival + its timeout, which the answer promised the consumer
-    (``writes_end_within_seconds``)."""
+    destination blocks, and the time (monotonic) after which no WRITE of it may be posted, which
+    the answer promised the consumer (``writes_end_within_seconds``; see ``_writes_until``)."""
 
     request: peer_pb2.PushRegRequest
     blocks: BlockIds
@@ -347,6 +346,25 @@ class ProducerSide:
     # ``identity`` (the PeerService handlers below): the caller's certificate names with mTLS, ""
     # without (a plaintext port, the local Unix socket, or this sidecar calling itself).
 
+    def _writes_until(self, request: peer_pb2.PushRegRequest, timeout: float, arrival: float) -> float:
+        """When (monotonic) the WRITEs of a registration must be posted by (``PushOrder``): its
+        timeout from the arrival, which the consumer measures from its receipt of our answer, which
+        is later; and the consumer's own ``write_by`` less the clock allowance, which holds for a
+        PushReg that waited (our process stopped) before we got to it. Refuses one already over."""
+        writes_until = arrival + timeout
+        if request.write_by_unix_ms:
+            remaining = request.write_by_unix_ms / 1000.0 - time.time() - self._ctx.settings.voucher_clock_skew_seconds
+            if remaining <= 0:
+                skew = self._ctx.settings.voucher_clock_skew_seconds
+                raise FailedPrecondition(
+                    f"write_by_unix_ms: push registration {request.decode_engine_id}/{request.request_id} was "
+                    f"handled {-remaining:.3f} s after its time less the clock allowance "
+                    f"(voucher_clock_skew_seconds = {skew:g}) was over; the consumer has given up on it, or its "
+                    f"timeout ({timeout:g} s) is too short"
+                )
+            writes_until = min(writes_until, arrival + remaining)
+        return writes_until
+
     async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
         ctx = self._ctx
         validation.identifier(request.prefill_engine_id, "prefill_engine_id")
@@ -359,9 +377,8 @@ class ProducerSide:
         timeout = validation.duration(
             request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
         )
-        # Measured from the arrival, before anything here can wait: the consumer measures its end
-        # of the promise from its receipt of our answer, which is later.
-        writes_until = time.monotonic() + timeout
+        arrival = time.monotonic()
+        writes_until = self._writes_until(request, timeout, arrival)
         await await_engine(ctx, request.prefill_engine_id)  # the consumer may be earlier than our engine
         engine = ctx.registry.engines.get(request.prefill_engine_id)
         if engine is None:
@@ -401,7 +418,7 @@ class ProducerSide:
                 sidecar_id=ctx.identity.sidecar_id,
                 matched=reg_key in self._pushing,
                 # Past already: "none from now on" (0 would mean "no promise").
-                writes_end_within_seconds=max(0.001, first - (writes_until - timeout)),
+                writes_end_within_seconds=max(0.001, first - arrival),
             )
         registration = Registration(
             engine_id=request.prefill_engine_id,
@@ -432,13 +449,13 @@ class ProducerSide:
             self._registration_deadlines.set(reg_key, writes_until)
             self._update_gauges()
             return peer_pb2.PushRegResponse(
-                sidecar_id=ctx.identity.sidecar_id, matched=False, writes_end_within_seconds=timeout
+                sidecar_id=ctx.identity.sidecar_id, matched=False, writes_end_within_seconds=writes_until - arrival
             )
         pending = self.requests[submission.key]
         self._start_push(pending, registration)
         self._update_gauges()
         return peer_pb2.PushRegResponse(
-            sidecar_id=ctx.identity.sidecar_id, matched=True, writes_end_within_seconds=timeout
+            sidecar_id=ctx.identity.sidecar_id, matched=True, writes_end_within_seconds=writes_until - arrival
         )
 
     async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
