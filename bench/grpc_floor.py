@@ -7,6 +7,9 @@ code).
 - ``unary aio->aio``: the same from a grpc.aio client (sidecar -> peer sidecar: heartbeat, PushReg).
 - ``bidi aio->aio``: one request and its answer as two messages on a bidirectional stream that
   stays open (what a per-peer heartbeat stream would cost instead of a unary call).
+- ``bidi sync->aio``: the same from a blocking client (what an engine <-> sidecar session stream
+  would cost the shim instead of a unary call): requests from a queue-fed iterator, which grpc
+  sends from a thread of its own, answers read by the calling thread.
 - ``stream aio->sync``: a grpc.aio server-streaming call delivers one message to a blocking client's
   reading thread (an event on ``WatchEvents``): from the server's write to the client's receipt.
 - ``loop->thread->loop``: an asyncio coroutine hands a command to a thread blocked on a
@@ -128,6 +131,26 @@ def bidi_aio(target: str, count: int) -> list[float]:
     return asyncio.run(main())
 
 
+def bidi_sync(target: str, count: int) -> list[float]:
+    outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def requests():  # type: ignore[no-untyped-def]
+        while (message := outgoing.get()) is not None:
+            yield message
+
+    with grpc.insecure_channel(target) as channel:
+        answers = channel.stream_stream(_BIDI)(requests())
+        samples = []
+        for index in range(count + 100):
+            started = time.perf_counter()
+            outgoing.put(b"x" * 30)
+            next(answers)
+            if index >= 100:
+                samples.append(time.perf_counter() - started)
+        outgoing.put(None)
+        return samples
+
+
 def stream_sync(target: str, count: int) -> list[float]:
     with grpc.insecure_channel(target) as channel:
         samples = []
@@ -204,6 +227,7 @@ def main() -> None:
         print(f"unary sync->aio      {_ms(unary_sync(target, args.count))}")
         print(f"unary aio->aio       {_ms(unary_aio(target, args.count))}")
         print(f"bidi aio->aio        {_ms(bidi_aio(target, args.count))}")
+        print(f"bidi sync->aio       {_ms(bidi_sync(target, args.count))}")
         print(f"stream aio->sync     {_ms(stream_sync(target, args.count))}")
         print(f"loop->thread->loop   {_ms(thread_handoff(args.count))}")
         print(f"thread->loop         {_ms(loop_wake(args.count))}")

@@ -176,7 +176,8 @@ class CredentialSocket:
                 log.warning("engine_peer_refused", uid=uid, gid=gid, pid=pid,
                             hint="list the uid or gid in engine_allowed_uids / engine_allowed_gids")  # fmt: skip
                 writer.write(encode_reply(error=why))
-            await asyncio.wait_for(writer.drain(), 5.0)
+            async with asyncio.timeout(5.0):
+                await writer.drain()
         except (OSError, TimeoutError) as exc:
             log.info("credential_socket_error", error=str(exc))
         finally:

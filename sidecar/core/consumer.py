@@ -705,7 +705,8 @@ class ConsumerSide:
         settings = self._ctx.settings
         try:
             # A PushReg still on its way would otherwise arrive after our Release.
-            await asyncio.wait_for(pending.registration_done.wait(), 2 * settings.peer_call_timeout_seconds)
+            async with asyncio.timeout(2 * settings.peer_call_timeout_seconds):
+                await pending.registration_done.wait()
         except TimeoutError:
             pass
         if pending.key not in self.requests:
@@ -830,8 +831,9 @@ class ConsumerSide:
             period = min([self._ctx.settings.heartbeat_interval, *self._pace.values()])
             try:
                 # A newly learned, faster producer pace cuts the current wait short. (Not
-                # ``wait_for``: on Python 3.11 it can swallow a cancellation that meets its timeout,
-                # and this loop then never ends; with short intervals a node's stop hung so.)
+                # ``wait_for``: on Python 3.11 it returns the result when the awaited event is set in
+                # the step a cancellation arrives, swallowing the cancellation, and this loop then
+                # never ends: a node's stop hung so in a test. The package uses ``asyncio.timeout``.)
                 async with asyncio.timeout(period):
                     await self._pace_changed.wait()
                 self._pace_changed.clear()

@@ -92,10 +92,12 @@ class Holds:
         )
         addresses = ["", *ctx.peers.known_addresses()] if request.known_peers else [request.address]
         started = time.monotonic()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(ctx.peers.query_cache(address, peer_request), timeout) for address in addresses),
-            return_exceptions=True,
-        )
+
+        async def ask(address: str) -> peer_pb2.PeerQueryCacheResponse:
+            async with asyncio.timeout(timeout):
+                return await ctx.peers.query_cache(address, peer_request)
+
+        answers = await asyncio.gather(*(ask(address) for address in addresses), return_exceptions=True)
         entries: list[engine_pb2.CacheEntry] = []
         unreachable: list[str] = []
         for address, answer in zip(addresses, answers, strict=True):

@@ -221,7 +221,8 @@ class Registry:
         waiters = self._arrivals.setdefault(engine_id, [])
         waiters.append(waiter)
         try:
-            await asyncio.wait_for(waiter, timeout)
+            async with asyncio.timeout(timeout):
+                await waiter
             return True
         except TimeoutError:
             return False

@@ -260,7 +260,8 @@ class NixlTransport:
         if self._thread is None:
             return
         try:
-            await asyncio.wait_for(self._call(self._shutdown_all), timeout)
+            async with asyncio.timeout(timeout):
+                await self._call(self._shutdown_all)
         except TimeoutError:
             # The owner thread is stuck in a NIXL call; it is a daemon thread, so exiting still works.
             log.error("nixl_shutdown_timed_out", timeout_seconds=timeout)
