@@ -359,8 +359,8 @@ class ProducerSide:
                 raise FailedPrecondition(
                     f"write_by_unix_ms: push registration {request.decode_engine_id}/{request.request_id} was "
                     f"handled {-remaining:.3f} s after its time less the clock allowance "
-                    f"(voucher_clock_skew_seconds = {skew:g}) was over; the consumer has given up on it, or its "
-                    f"timeout ({timeout:g} s) is too short"
+                    f"(voucher_clock_skew_seconds = {skew:g}) was over; the consumer has given up on it, its "
+                    f"timeout ({timeout:g} s) is too short, or this node's clock is ahead of the consumer's"
                 )
             writes_until = min(writes_until, arrival + remaining)
         return writes_until
