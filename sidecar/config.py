@@ -171,7 +171,8 @@ class Settings(BaseSettings):
     # Allowance for the two nodes' wall clocks (vouchers and push registrations carry Unix times):
     # the producer holds this much longer, a consumer stops using a voucher this much earlier, and
     # a producer stops posting a push's WRITEs this much before the consumer's write_by. Safe while
-    # the consumer's clock is behind the producer's by less than twice this (push: less than this).
+    # the consumer's clock is behind the producer's by less than twice this (vouchers) and the
+    # producer's is behind the consumer's by less than this (push).
     voucher_clock_skew_seconds: float = Field(default=0.5, ge=0.0, le=600.0)
     # A peer's Handshake, PushReg or Heartbeat naming an engine of ours that has not registered yet
     # (starting or restarting) waits this long for it before answering as before; capped at 80 % of

@@ -29,7 +29,7 @@ from sidecar.core.consumer import ConsumerRequest
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
 from sidecar.core.trace import TraceRecorder
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from tests.support.fake_transport import FakeFabric
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
@@ -456,6 +456,11 @@ def _mark_gpu(h: Harness, gpu: bool) -> None:
         memory.kind = worker.mem_type
 
 
+async def _heartbeat_times_out(*args: Any, **kwargs: Any) -> None:
+    """Stand-in for a producer that does not answer its heartbeats (SIGSTOPped)."""
+    raise DeadlineExceeded("heartbeat: the producer did not answer")
+
+
 async def _push_given_up(h: Harness, request_id: str, timeout: float) -> ConsumerRequest:
     """D registers a push from P (which never submits); returns the consumer's request."""
     expect = SidecarClient.expect_push_request(
@@ -468,8 +473,9 @@ async def _push_given_up(h: Harness, request_id: str, timeout: float) -> Consume
 def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(tmp_path: Path) -> None:
     """A push given up while the producer cannot answer (it may be hung, and resume): shared memory
     is fenced (mprotect); GPU memory cannot be, so the engine must not get the blocks back (a
-    recompute would be overwritten) until the producer can no longer post a WRITE: the PushReg's
-    timeout after it arrived, plus the grace for one already posted."""
+    recompute would be overwritten) until the producer's WRITEs are surely over: its promise in the
+    PushReg answer (posting ends by the registration's time, each WRITE has the transfer timeout).
+    The hold does not count against the pending-request limit."""
 
     async def scenario() -> None:
         fast = {
@@ -477,6 +483,7 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
             "transfer_timeout_seconds": 0.2,
             "peer_call_timeout_seconds": 0.1,
             "voucher_clock_skew_seconds": 0.1,
+            "max_pending_requests": 1,
         }
         async with harness(tmp_path, **fast) as h:
             _mark_gpu(h, True)
@@ -489,24 +496,108 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
             async def no_answer(*args: Any, **kwargs: Any) -> None:
                 return None
 
-            async def heartbeat_times_out(*args: Any, **kwargs: Any) -> None:
-                raise DeadlineExceeded("heartbeat: the producer did not answer")
-
             h.node.consumer._ask_producer = no_answer  # type: ignore[method-assign]
-            h.node.peers.heartbeat = heartbeat_times_out  # type: ignore[method-assign]
+            h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
             h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
             worker = h.node.registry.worker(D, 0, 0)
             assert worker is not None
             assert worker.events.empty(), "GPU blocks went back while the producer could still write"
+            # Held, it leaves room for another request (the limit here is 1): admission passes.
+            h.node.consumer._require_engine(D, "req-other-d", ((7,),), "block_ids")
             failed = await h.next_event(D)
             seen_at = time.monotonic()
             _mark_gpu(h, False)
             assert failed.kind == engine_pb2.LOAD_FAILED and failed.request_id == "req-h-d", failed
             assert seen_at >= quiet_at, f"LOAD_FAILED {quiet_at - seen_at:.3f} s before the producer went quiet"
-            assert "GPU memory: blocks held until the producer could no longer post a WRITE" in failed.reason
+            assert "GPU memory: blocks held until the producer's WRITEs were over by its promise" in failed.reason
             assert "the producer did not answer" in failed.reason, failed.reason
             assert sorted(failed.failed_block_ids) == [5, 6]
             assert (D, "req-h-d") not in h.node.consumer.requests
+
+    run(scenario)
+
+
+def test_a_held_gpu_push_outlasts_the_promise_while_the_producer_says_a_write_is_in_flight(tmp_path: Path) -> None:
+    """A producer that answers "a WRITE is in flight" is alive and its WRITE not over: the hold
+    waits for its next answer, not for the promise's time."""
+
+    async def scenario() -> None:
+        fast = {"heartbeat_interval_seconds": 0.05, "transfer_timeout_seconds": 0.2, "voucher_clock_skew_seconds": 0.1}
+        async with harness(tmp_path, **fast) as h:
+            _mark_gpu(h, True)
+            pending = await _push_given_up(h, "req-b-d", timeout=0.4)
+            quiet_at = pending.writes_quiet_at
+            assert quiet_at is not None
+            in_flight = [True]
+
+            async def answer(*args: Any, **kwargs: Any) -> bool:
+                return in_flight[0]
+
+            h.node.consumer._ask_producer = answer  # type: ignore[method-assign]
+            h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
+            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            await asyncio.sleep(max(0.0, quiet_at - time.monotonic()) + 0.3)
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            assert worker.events.empty(), "GPU blocks went back while the producer said a WRITE was in flight"
+            in_flight[0] = False
+            failed = await h.next_event(D)
+            _mark_gpu(h, False)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "held until the producer answered that no WRITE is in flight" in failed.reason, failed.reason
+
+    run(scenario)
+
+
+def test_only_a_refused_connection_counts_as_a_producer_that_cannot_write(tmp_path: Path) -> None:
+    """A fence or hold ends early when nothing listens at the producer's address. A link that is
+    down, or a server that refuses new calls while it shuts down (its WRITEs draining), is no
+    answer, not "gone"."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            pending = await _push_given_up(h, "req-r-d", timeout=60.0)
+            outcomes = {}
+            for details in (
+                "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.9:50151: "
+                "Failed to connect to remote host: Connection refused",
+                "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.9:50151: "
+                "Failed to connect to remote host: Connection timed out",
+                "Socket closed",
+            ):
+
+                async def release(*args: Any, details: str = details, **kwargs: Any) -> None:
+                    raise Unavailable(f"peer 10.0.0.9:50151: UNAVAILABLE: {details}")
+
+                h.node.peers.release = release  # type: ignore[method-assign]
+                outcomes[details.rsplit(": ", 1)[-1]] = await h.node.consumer._ask_producer(
+                    pending, consumed=False, reason="test", wait_for_ready=False
+                )
+            assert outcomes == {"Connection refused": False, "Connection timed out": None, "Socket closed": None}
+
+    run(scenario)
+
+
+def test_a_push_whose_handshake_timed_out_fails_at_once_without_a_hold(tmp_path: Path) -> None:
+    """No PushReg left (the handshake timed out), so the producer cannot know the registration:
+    nothing can be written, and even a GPU consumer answers at once."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            _mark_gpu(h, True)
+
+            async def handshake_times_out(*args: Any, **kwargs: Any) -> None:
+                raise DeadlineExceeded("handshake: the producer did not answer")
+
+            h.node.peers.engine = handshake_times_out  # type: ignore[method-assign]
+            expect = SidecarClient.expect_push_request(D, "req-t-d", [[5, 6]], remote(ADDRESS, P, "req-t"))
+            answer = await h.node.consumer.expect_push(expect)
+            assert not answer.registered, answer
+            failed = await h.next_event(D, timeout=1.0)
+            _mark_gpu(h, False)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "held" not in failed.reason and "fenced" not in failed.reason, failed.reason
+            assert not h.node.consumer._fenced
 
     run(scenario)
 
@@ -571,8 +662,10 @@ def test_a_push_registration_handled_after_its_write_by_is_refused(tmp_path: Pat
             in_time.CopyFrom(late)
             in_time.write_by_unix_ms = int((time.time() + 2.0) * 1000)
             answer = await h.node.producer.handle_push_reg(in_time)
-            # 2 s less the 0.5 s clock allowance, not the 60 s timeout.
-            assert 1.0 < answer.writes_end_within_seconds <= 1.5, answer
+            # Posting ends 2 s less the 0.5 s clock allowance from now, not after the 60 s timeout;
+            # the last WRITE posted then has the transfer timeout to end.
+            posting = answer.writes_end_within_seconds - h.node.settings.transfer_timeout_seconds
+            assert 1.0 < posting <= 1.5, answer
 
     run(scenario)
 

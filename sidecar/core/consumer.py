@@ -107,8 +107,9 @@ class ConsumerRequest:
     cancel_reason: str = ""
     # push: when (monotonic) the registration's timeout ends (its PushReg's write_by).
     push_deadline: float = 0.0
-    # push: when (monotonic) the producer can no longer post or finish a WRITE into our blocks (its
-    # promise from the PushReg answer + the transfer's grace); None: it promised nothing.
+    push_reg_sent: bool = False  # push: the PushReg left (the producer may know the registration)
+    # push: when (monotonic) the producer's WRITEs into our blocks have ended, posted or failed (its
+    # promise in the PushReg answer); None: it promised nothing.
     writes_quiet_at: float | None = None
     held: bool = False  # push given up on GPU memory: its LOAD_FAILED waits (see ``_Fence``)
     bytes_moved: int = 0
@@ -165,13 +166,16 @@ class _Fence:
     producer answers that nothing is in flight or is gone. GPU memory, which cannot be fenced:
     ``held`` is the LOAD_FAILED (reason, metric label) still owed, the engine keeps the blocks,
     and it ends on the same answers or, at the latest, at ``held_until``
-    (``ConsumerRequest.writes_quiet_at``)."""
+    (``ConsumerRequest.writes_quiet_at``) unless the producer said a WRITE is still in flight."""
 
     request: ConsumerRequest
     token: FenceToken
     held: tuple[str, str] | None = None
     held_until: float = 0.0
     checking: bool = False
+    # The producer answered that a WRITE is in flight: it is alive and its WRITE not over, so a
+    # hold waits for its next answer rather than for ``held_until``.
+    producer_busy: bool = False
 
 
 class ConsumerSide:
@@ -311,10 +315,11 @@ class ConsumerSide:
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
-            if isinstance(exc, DeadlineExceeded):
+            if isinstance(exc, DeadlineExceeded) and pending.push_reg_sent:
                 # The PushReg may have reached a producer that is only slow (or stopped): it could
-                # still write, though not past the write_by it carried (clocks within allowance).
-                pending.writes_quiet_at = pending.push_deadline + self._write_grace()
+                # still write, though (a producer of this version) not past the write_by it carried,
+                # clocks within the allowance, + a WRITE's bound (as ours, unknown without its answer).
+                pending.writes_quiet_at = pending.push_deadline + self._ctx.settings.transfer_timeout_seconds
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
                 self._fail(pending, f"push registration failed: {exc}", reason_label="push_registration")
@@ -653,6 +658,7 @@ class ConsumerSide:
             raise FailedPrecondition(
                 f"remote.tp_size is {pending.remote.tp_size} but engine {view.engine_id} has TP {view.tp_size}"
             )
+        pending.push_reg_sent = True
         response = await ctx.peers.push_reg(
             address,
             peer_pb2.PushRegRequest(
@@ -673,7 +679,8 @@ class ConsumerSide:
         )
         pending.registered = True
         if response.writes_end_within_seconds > 0:
-            pending.writes_quiet_at = time.monotonic() + response.writes_end_within_seconds + self._write_grace()
+            # Counted from our receipt of the answer, later than the producer's start of it.
+            pending.writes_quiet_at = time.monotonic() + response.writes_end_within_seconds
         ctx.trace.event(
             "consumer",
             pending.engine_id,
@@ -793,22 +800,24 @@ class ConsumerSide:
             fence.checking = False
         if in_flight is False:
             self._end_fence(fence, "the producer answered that no WRITE is in flight")
+        elif in_flight:
+            fence.producer_busy = True
 
     def _end_fences(self) -> None:
-        """Called each heartbeat round: end the holds whose producer can no longer post a WRITE,
+        """Called each heartbeat round: end the holds whose producer's WRITEs are surely over,
         check the other fences with their producer."""
         now = time.monotonic()
         for fence in list(self._fenced):
-            if fence.held is not None and now >= fence.held_until:
+            if fence.held is not None and now >= fence.held_until and not fence.producer_busy:
                 log.warning(
                     "push_hold_ended_unanswered",
                     engine_id=fence.request.engine_id,
                     request_id=fence.request.request_id,
                     peer=fence.request.remote.address,
-                    why="the producer never answered; it can post no more WRITEs, but one it was "
+                    why="the producer never answered; its WRITEs are over by its promise, but one it was "
                     "stopped in the middle of would finish when it resumes",
                 )
-                self._end_fence(fence, "the producer could no longer post a WRITE")
+                self._end_fence(fence, "the producer's WRITEs were over by its promise")
             elif not fence.checking:
                 self._ctx.tasks.spawn(self._check_fence(fence), engines=[])
 
@@ -839,8 +848,8 @@ class ConsumerSide:
                 self._pace_changed.clear()
             except TimeoutError:
                 pass
-            self._end_fences()
             try:
+                self._end_fences()
                 await self.heartbeat_once()
             except Exception as exc:
                 log.exception("heartbeat_round_failed", error=str(exc))
@@ -1020,7 +1029,10 @@ class ConsumerSide:
             raise InvalidArgument(field, problem)
         if (engine_id, request_id) in self.requests:
             raise FailedPrecondition(f"request {request_id!r} of engine {engine_id!r} is already waiting for KV")
-        ctx.tasks.check_capacity(len(self.requests))
+        # Held GPU pushes (see ``_Fence``) wait on a producer that went quiet; they do not keep
+        # requests to other producers out.
+        held = sum(1 for fence in self._fenced if fence.held is not None)
+        ctx.tasks.check_capacity(len(self.requests) - held)
         return engine
 
     def _engines_of(self, pending: ConsumerRequest) -> list[str]:
@@ -1074,7 +1086,8 @@ class ConsumerSide:
         self, pending: ConsumerRequest, consumed: bool, reason: str, wait_for_ready: bool = True
     ) -> bool | None:
         """Release at the producer: whether transfers are still in flight there, None if it did not
-        answer. Without ``wait_for_ready``, a refused connection (no process listening) is False."""
+        answer. Without ``wait_for_ready``, a refused connection (no process listening) is False;
+        any other failure (a link down, a server shutting down while its WRITEs drain) is None."""
         try:
             response = await self._ctx.peers.release(
                 pending.remote.address,
@@ -1091,7 +1104,8 @@ class ConsumerSide:
             )
         except Unavailable as exc:
             log.info("producer_release_undelivered", peer=pending.remote.address, error=str(exc))
-            return None if wait_for_ready else False
+            refused = "connection refused" in str(exc).lower()
+            return False if refused and not wait_for_ready else None
         except SidecarError as exc:
             log.info("producer_release_undelivered", peer=pending.remote.address, error=str(exc))
             return None
@@ -1113,6 +1127,8 @@ class ConsumerSide:
     def _finish(self, pending: ConsumerRequest, event: engine_pb2.Event) -> None:
         if self.requests.pop(pending.key, None) is None:
             return
+        if pending.held:  # ended another way meanwhile (its WRITEs' end, TransferFailed, ...)
+            self._fenced = [fence for fence in self._fenced if fence.request is not pending]
         self._forget_checks(pending.key)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
@@ -1140,7 +1156,9 @@ class ConsumerSide:
         rows = []
         for pending in self.requests.values():
             if pending.is_push:
-                state = "cancelling" if pending.cancelling else ("registered" if pending.registered else "registering")
+                state = "registered" if pending.registered else "registering"
+                if pending.cancelling:
+                    state = "held_for_late_writes" if pending.held else "cancelling"
             else:
                 state = "reading" if pending.transferring else "handshaking"
             remaining = self.watchdogs.remaining(pending.key)

@@ -365,6 +365,11 @@ class ProducerSide:
             writes_until = min(writes_until, arrival + remaining)
         return writes_until
 
+    def _writes_end_within(self, writes_until: float, arrival: float) -> float:
+        """The promise in a PushReg answer: the last WRITE is posted by ``writes_until`` and ends
+        (or is failed) within ``transfer_timeout_seconds`` of its post."""
+        return max(0.0, writes_until - arrival) + self._ctx.settings.transfer_timeout_seconds
+
     async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
         ctx = self._ctx
         validation.identifier(request.prefill_engine_id, "prefill_engine_id")
@@ -380,6 +385,11 @@ class ProducerSide:
         arrival = time.monotonic()
         writes_until = self._writes_until(request, timeout, arrival)
         await await_engine(ctx, request.prefill_engine_id)  # the consumer may be earlier than our engine
+        if time.monotonic() >= writes_until:
+            raise FailedPrecondition(
+                f"push registration {request.decode_engine_id}/{request.request_id}: its time to post WRITEs "
+                "was over while it waited for the prefill engine to register"
+            )
         engine = ctx.registry.engines.get(request.prefill_engine_id)
         if engine is None:
             raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
@@ -417,8 +427,7 @@ class ProducerSide:
             return peer_pb2.PushRegResponse(
                 sidecar_id=ctx.identity.sidecar_id,
                 matched=reg_key in self._pushing,
-                # Past already: "none from now on" (0 would mean "no promise").
-                writes_end_within_seconds=max(0.001, first - arrival),
+                writes_end_within_seconds=self._writes_end_within(first, arrival),
             )
         registration = Registration(
             engine_id=request.prefill_engine_id,
@@ -449,13 +458,17 @@ class ProducerSide:
             self._registration_deadlines.set(reg_key, writes_until)
             self._update_gauges()
             return peer_pb2.PushRegResponse(
-                sidecar_id=ctx.identity.sidecar_id, matched=False, writes_end_within_seconds=writes_until - arrival
+                sidecar_id=ctx.identity.sidecar_id,
+                matched=False,
+                writes_end_within_seconds=self._writes_end_within(writes_until, arrival),
             )
         pending = self.requests[submission.key]
         self._start_push(pending, registration)
         self._update_gauges()
         return peer_pb2.PushRegResponse(
-            sidecar_id=ctx.identity.sidecar_id, matched=True, writes_end_within_seconds=writes_until - arrival
+            sidecar_id=ctx.identity.sidecar_id,
+            matched=True,
+            writes_end_within_seconds=self._writes_end_within(writes_until, arrival),
         )
 
     async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
