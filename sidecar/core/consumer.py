@@ -25,11 +25,12 @@ No block goes back to the engine while a transfer may still land in it:
   ``dataplane.memory.WriteFences``) before LOAD_FAILED, so a WRITE that resumes later fails instead of landing;
   the fence is lifted once the producer answers that nothing is in flight, or is gone. GPU memory
   cannot be made read-only: there the LOAD_FAILED itself waits for those answers, bounded by the
-  time the producer can no longer post a WRITE (it posts none later than the registration's
-  timeout after the PushReg reached it, ``PushRegResponse.writes_end_within_seconds``) plus the
-  grace for one posted before; the engine keeps the blocks until then. (Not a bound for pages:
-  a producer stopped in the middle of a posted WRITE finishes it when it resumes, whenever that
-  is, and a fence costs the engine nothing while it stands.)
+  end of its WRITEs the producer promised (it posts none later than the registration's timeout
+  after the PushReg reached it, and gives each its transfer timeout:
+  ``PushRegResponse.writes_end_within_seconds``) unless it said a WRITE is still in flight; the
+  engine keeps the blocks until then. (Not a bound for pages: a producer stopped in the middle of
+  a posted WRITE finishes it when it resumes, whenever that is, and a fence costs the engine
+  nothing while it stands.)
 
 Why one module of ~850 lines: pull, push, the keep-alive heartbeats and the write fences share one
 request table, one "does the producer still hold it" state (``_confirmed``, ``_first_unknown``,
@@ -774,7 +775,7 @@ class ConsumerSide:
                     why=reason,
                     at_most_seconds=round(quiet_at - now, 3),
                     detail="GPU memory cannot be made read-only: the LOAD_FAILED waits until the producer "
-                    "answers that no WRITE is in flight, or can no longer post one",
+                    "answers that no WRITE is in flight, or the end of its WRITEs it promised has passed",
                 )
                 return
             if quiet_at is None:

@@ -353,9 +353,9 @@ class ProducerSide:
         PushReg that waited (our process stopped) before we got to it. Refuses one already over."""
         writes_until = arrival + timeout
         if request.write_by_unix_ms:
-            remaining = request.write_by_unix_ms / 1000.0 - time.time() - self._ctx.settings.voucher_clock_skew_seconds
+            skew = self._ctx.settings.voucher_clock_skew_seconds
+            remaining = request.write_by_unix_ms / 1000.0 - time.time() - skew
             if remaining <= 0:
-                skew = self._ctx.settings.voucher_clock_skew_seconds
                 raise FailedPrecondition(
                     f"write_by_unix_ms: push registration {request.decode_engine_id}/{request.request_id} was "
                     f"handled {-remaining:.3f} s after its time less the clock allowance "
