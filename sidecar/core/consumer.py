@@ -726,14 +726,10 @@ class ConsumerSide:
             self._fail_fenced(pending, f"{why}; the producer did not answer", label)
         elif in_flight:
             pending.cancel_reason = why
-            self.watchdogs.set(pending.key, time.monotonic() + self._write_grace())
+            grace = settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
+            self.watchdogs.set(pending.key, time.monotonic() + grace)
         else:
             self._fail(pending, why, reason_label=label)
-
-    def _write_grace(self) -> float:
-        """How long a WRITE already posted (or a producer's answer about one) may take to end."""
-        settings = self._ctx.settings
-        return settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
 
     def _fail_fenced(self, pending: ConsumerRequest, reason: str, label: str) -> None:
         """LOAD_FAILED for a push whose producer may still write: fence the blocks' pages first; on
@@ -750,7 +746,6 @@ class ConsumerSide:
                 log.error(
                     "push_fence_failed", engine_id=pending.engine_id, request_id=pending.request_id, error=str(exc)
                 )
-        quiet_at = pending.writes_quiet_at
         if token:
             self._fenced.append(_Fence(pending, token))
             log.warning(
@@ -763,7 +758,7 @@ class ConsumerSide:
             reason = f"{reason} (blocks fenced against late WRITEs)"
         elif engine is not None and any(w.mem_type == "VRAM" for w in engine.ordered_workers()):
             # mprotect cannot reach device memory: keep the blocks from the engine instead.
-            now = time.monotonic()
+            now, quiet_at = time.monotonic(), pending.writes_quiet_at
             if quiet_at is not None and now < quiet_at and pending.key in self.requests:
                 pending.held = True
                 self._fenced.append(_Fence(pending, [], held=(reason, label), held_until=quiet_at))

@@ -630,11 +630,11 @@ class ProducerSide:
     # --- push ---------------------------------------------------------------------------------
 
     def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
-        request, blocks, _ = registration.order
+        request, blocks, writes_until = registration.order
         self._registration_deadlines.cancel(registration.key)
         pending.peer_identity = registration.identity or pending.peer_identity
         pending.writing = True
-        pending.writes_until = registration.order.writes_until
+        pending.writes_until = writes_until
         trace = self._ctx.trace
         trace.event(
             "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
@@ -690,8 +690,7 @@ class ProducerSide:
             # Past the lease our engine may reuse the blocks; past the registration's deadline the
             # consumer may have handed its own back (see PushOrder).
             lease_end = self.leases.deadline(pending.key)
-            writes_until = registration.order.writes_until
-            not_after = writes_until if lease_end is None else min(lease_end, writes_until)
+            not_after = pending.writes_until if lease_end is None else min(lease_end, pending.writes_until)
             signed = None
             if request.want_digests:
                 span = ctx.dataplane.digest_span(
