@@ -10,10 +10,11 @@ The real-NIXL, multi-process versions of these flows are in test_pull.py and tes
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from sidecar.core.consumer import ConsumerRequest
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
 from sidecar.core.trace import TraceRecorder
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from tests.support.fake_transport import FakeFabric
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
@@ -456,6 +457,43 @@ def _mark_gpu(h: Harness, gpu: bool) -> None:
         memory.kind = worker.mem_type
 
 
+@contextmanager
+def _peer_that(behaviour: str) -> Iterator[str]:
+    """A loopback address whose "peer" is real but never answers a call: ``"refuses"`` (nothing
+    listens: connection refused, a dead sidecar), ``"hangs"`` (the kernel accepts, nobody reads:
+    what a SIGSTOPped sidecar looks like) or ``"drops"`` (each connection is accepted and closed at
+    once, like a server going away)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    stop = threading.Event()
+    dropper = None
+    if behaviour == "refuses":
+        listener.close()
+    else:
+        listener.listen(16)
+        if behaviour == "drops":
+            listener.settimeout(0.05)
+
+            def drop() -> None:
+                while not stop.is_set():
+                    try:
+                        connection, _ = listener.accept()
+                    except TimeoutError:
+                        continue
+                    connection.close()
+
+            dropper = threading.Thread(target=drop, daemon=True)
+            dropper.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        if dropper is not None:
+            dropper.join(5)
+        listener.close()
+
+
 async def _heartbeat_times_out(*args: Any, **kwargs: Any) -> None:
     """Stand-in for a producer that does not answer its heartbeats (SIGSTOPped)."""
     raise DeadlineExceeded("heartbeat: the producer did not answer")
@@ -481,7 +519,7 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
         fast = {
             "heartbeat_interval_seconds": 0.05,
             "transfer_timeout_seconds": 0.2,
-            "peer_call_timeout_seconds": 0.1,
+            "peer_call_timeout_seconds": 0.2,
             "voucher_clock_skew_seconds": 0.1,
             "max_pending_requests": 1,
         }
@@ -491,26 +529,25 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
             quiet_at = pending.writes_quiet_at
             assert quiet_at is not None, "the producer's PushReg answer must promise an end to its WRITEs"
 
-            # Stand-in for a producer that does not answer (SIGSTOPped): no answer to "is a WRITE
-            # in flight?", and heartbeats time out (each then counts as missed).
-            async def no_answer(*args: Any, **kwargs: Any) -> None:
-                return None
-
-            h.node.consumer._ask_producer = no_answer  # type: ignore[method-assign]
-            h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
-            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
-            worker = h.node.registry.worker(D, 0, 0)
-            assert worker is not None
-            assert worker.events.empty(), "GPU blocks went back while the producer could still write"
-            # Held, it leaves room for another request (the limit here is 1): admission passes.
-            h.node.consumer._require_engine(D, "req-other-d", ((7,),), "block_ids")
-            failed = await h.next_event(D)
-            seen_at = time.monotonic()
+            with _peer_that("hangs") as hung:
+                # From here the producer is a sidecar that accepts connections and never answers
+                # (SIGSTOPped): the engine's release asks it, in vain, and its heartbeats time out.
+                pending.remote.address = hung
+                assert h.node.consumer.release(D, "req-h-d", "the client went away") is pending
+                while not pending.held:
+                    await asyncio.sleep(0.01)
+                worker = h.node.registry.worker(D, 0, 0)
+                assert worker is not None
+                assert worker.events.empty(), "GPU blocks went back while the producer could still write"
+                # Held, it leaves room for another request (the limit here is 1): admission passes.
+                h.node.consumer._require_engine(D, "req-other-d", ((7,),), "block_ids")
+                failed = await h.next_event(D)
+                seen_at = time.monotonic()
             _mark_gpu(h, False)
             assert failed.kind == engine_pb2.LOAD_FAILED and failed.request_id == "req-h-d", failed
             assert seen_at >= quiet_at, f"LOAD_FAILED {quiet_at - seen_at:.3f} s before the producer went quiet"
             assert "GPU memory: blocks held until the producer's WRITEs were over by its promise" in failed.reason
-            assert "the producer did not answer" in failed.reason, failed.reason
+            assert "released: the client went away; the producer did not answer" in failed.reason, failed.reason
             assert sorted(failed.failed_block_ids) == [5, 6]
             assert (D, "req-h-d") not in h.node.consumer.requests
 
@@ -550,30 +587,21 @@ def test_a_held_gpu_push_outlasts_the_promise_while_the_producer_says_a_write_is
 
 
 def test_only_a_refused_connection_counts_as_a_producer_that_cannot_write(tmp_path: Path) -> None:
-    """A fence or hold ends early when nothing listens at the producer's address. A link that is
-    down, or a server that refuses new calls while it shuts down (its WRITEs draining), is no
-    answer, not "gone"."""
+    """A fence or hold ends early when nothing listens at the producer's address. A producer that
+    accepts and never answers (stopped), or whose connections drop (a server going away, its
+    WRITEs possibly draining), is no answer, not "gone". Real gRPC calls to real sockets."""
 
     async def scenario() -> None:
-        async with harness(tmp_path) as h:
+        async with harness(tmp_path, peer_call_timeout_seconds=0.3) as h:
             pending = await _push_given_up(h, "req-r-d", timeout=60.0)
             outcomes = {}
-            for details in (
-                "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.9:50151: "
-                "Failed to connect to remote host: Connection refused",
-                "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.9:50151: "
-                "Failed to connect to remote host: Connection timed out",
-                "Socket closed",
-            ):
-
-                async def release(*args: Any, details: str = details, **kwargs: Any) -> None:
-                    raise Unavailable(f"peer 10.0.0.9:50151: UNAVAILABLE: {details}")
-
-                h.node.peers.release = release  # type: ignore[method-assign]
-                outcomes[details.rsplit(": ", 1)[-1]] = await h.node.consumer._ask_producer(
-                    pending, consumed=False, reason="test", wait_for_ready=False
-                )
-            assert outcomes == {"Connection refused": False, "Connection timed out": None, "Socket closed": None}
+            for behaviour in ("refuses", "hangs", "drops"):
+                with _peer_that(behaviour) as address:
+                    pending.remote.address = address
+                    outcomes[behaviour] = await h.node.consumer._ask_producer(
+                        pending, consumed=False, reason="test", wait_for_ready=False
+                    )
+            assert outcomes == {"refuses": False, "hangs": None, "drops": None}
 
     run(scenario)
 
