@@ -6,6 +6,7 @@ them. Real sidecars, simulated engines, real NIXL and shared memory."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -46,9 +47,8 @@ def _consumer_kinds(side, request_id: str) -> list[str]:
     return [event.kind for event in timeline.events]
 
 
-@pytest.fixture
-def pair(sidecars, engines):
-    p_side, d_side = sidecars("p"), sidecars("d")
+def _pair(sidecars, engines, consumer_args: tuple[str, ...] = ()):
+    p_side, d_side = sidecars("p"), sidecars("d", list(consumer_args))
     producer = engines(p_side, "P", "producer")
     consumer = engines(d_side, "D", "consumer")
     assert producer.command("fill", blocks=list(range(64)), seed=5)["ok"]
@@ -56,6 +56,11 @@ def pair(sidecars, engines):
     assert producer.command("submit", request_id="warm", blocks=[[1]])["ok"]
     assert _pull(consumer, producer, "warm-d", [40], "warm", [1])["event"] == "FINISHED_RECEIVING"
     return producer, consumer, p_side, d_side
+
+
+@pytest.fixture
+def pair(sidecars, engines):
+    return _pair(sidecars, engines)
 
 
 def test_a_vouched_pull_reads_without_asking_the_producer(pair) -> None:
@@ -188,3 +193,49 @@ def test_the_benchmark_pair_pulls_vouched_as_the_vllm_shim_does() -> None:
                 # The first pull has no key yet (the vLLM shim's first request goes unvouched too).
                 vouched = vouch and index > 0
                 assert ("vouched" in kinds) is vouched and ("confirmed" in kinds) is not vouched, (vouch, kinds)
+
+
+def _read_before_submission(pair, request_id: str, blocks: list[int], local: list[int]) -> tuple[dict, int]:
+    """A vouched pull of ``request_id`` that reaches the producer's sidecar before the engine's
+    SubmitBlocks does, as with vLLM: its shim signs the voucher and hands the parameters to the
+    router while SubmitBlocks is still on the way (the call is asynchronous). Another request
+    stays held meanwhile, so the producer's transport is polling when the READ's notification
+    comes. The SubmitBlocks is sent 0.3 s after the pull. Returns the pull's event and the
+    submission's voucher time."""
+    producer, consumer, _, _ = pair
+    key, _ = _vouched_submit(producer, f"{request_id}-busy", [60])
+    until_ms = int((time.time() + 10) * 1000)
+    signed = voucher.sign(key, "P", request_id, [blocks], until_ms)
+    submitter = threading.Timer(
+        0.3,
+        lambda: producer.command("submit", request_id=request_id, blocks=[blocks], vouched_until_ms=until_ms),
+    )
+    submitter.start()
+    try:
+        return _pull(consumer, producer, f"{request_id}-d", local, request_id, blocks, signed, until_ms), until_ms
+    finally:
+        submitter.join()
+
+
+def test_a_read_that_came_before_its_submission_frees_the_blocks_at_once(pair) -> None:
+    """The READ's notification came before the request: it is kept and counted at SubmitBlocks,
+    so the producer's engine gets its blocks back then, not at the lease's end (30 s)."""
+    producer, consumer, _, _ = pair
+    event, _ = _read_before_submission(pair, "v7", [16, 17], [41, 42])
+    assert event["event"] == "FINISHED_RECEIVING", event
+    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
+    assert np.array_equal(p_kv[:, [16, 17]], d_kv[:, [41, 42]])
+    assert producer.wait_event("v7", 5)[0]["event"] == "FINISHED_SENDING"
+
+
+def test_digests_of_a_request_not_yet_submitted_wait_for_its_submission(sidecars, engines) -> None:
+    """integrity=digest asks the producer for digests before the READ: a producer sidecar that
+    has not seen the SubmitBlocks yet is asked again (within producer_unknown_grace_seconds), not
+    taken for one that lost the request."""
+    pair = _pair(sidecars, engines, ("--integrity", "digest"))
+    producer, consumer, _, _ = pair
+    event, _ = _read_before_submission(pair, "v8", [18, 19], [43, 44])
+    assert event["event"] == "FINISHED_RECEIVING", event
+    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
+    assert np.array_equal(p_kv[:, [18, 19]], d_kv[:, [43, 44]])
+    assert producer.wait_event("v8", 5)[0]["event"] == "FINISHED_SENDING"

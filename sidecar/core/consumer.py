@@ -510,6 +510,12 @@ class ConsumerSide:
                     local, engine.tp_size, view, (f"on consumer {engine.engine_id}", f"on producer {view.engine_id}")
                 )
                 if self._checks_integrity(pending):
+                    if pending.key not in self._confirmed:
+                        # A vouched pull may come before the producer's sidecar has the request
+                        # (SubmitBlocks is asynchronous): the confirming heartbeat waits for it.
+                        await self._confirm_held(pending)
+                        if self.requests.get(pending.key) is not pending:
+                            return
                     # Before the READ: its notification lets the producer free the blocks.
                     expected = await self._producer_digests(pending, local, engine.tp_size, view, remote_blocks)
                 if view is not cached:  # a fresh handshake: the voucher is checked against its key

@@ -40,6 +40,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
+from sidecar.core.early_notices import EarlyNotice, EarlyNotices
 from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
 from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
@@ -128,6 +129,8 @@ class ProducerSide:
         self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
         # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
         self._pushing: dict[tuple[str, str], RequestKey] = {}
+        # READ notifications that came before their request's SubmitBlocks (a vouched pull).
+        self._early: EarlyNotices[RequestKey] = EarlyNotices(ctx.settings.producer_unknown_grace_seconds)
 
     # --- EngineService ------------------------------------------------------------------------
 
@@ -183,6 +186,10 @@ class ProducerSide:
                 matched = True
         self._update_gauges()
         log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
+        if pending.accepts_pull:
+            for early in self._early.take(pending.key, time.monotonic()):
+                # Not a loop wake-up's delay: the notification waited for this request.
+                self._count_notice(pending, early._replace(seen_at=0.0))
         return self._submitted(engine, lease, matched)
 
     def _submitted(self, engine: Engine, lease: float, matched: bool) -> engine_pb2.SubmitBlocksResponse:
@@ -607,25 +614,39 @@ class ProducerSide:
     # --- notifications ------------------------------------------------------------------------
 
     def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice, seen_at: float = 0.0) -> bool:
-        """A consumer finished reading from ``worker``. Returns False if the request is unknown.
-        ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
-        pending = self.requests.get((notice.engine_id, notice.request_id))
-        if pending is None or not pending.accepts_pull:
+        """A consumer finished reading from ``worker``. Returns False if no request of ours can
+        take it. ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
+        key = (notice.engine_id, notice.request_id)
+        pending = self.requests.get(key)
+        early = EarlyNotice(worker.agent_name, notice.expected, notice.sender_sidecar_id, seen_at)
+        if pending is not None:
+            if not pending.accepts_pull:
+                return False
+            self._count_notice(pending, early)
+            return True
+        engine = self._ctx.registry.engines.get(worker.engine_id)
+        if engine is None or engine.role not in PRODUCER_ROLES:
             return False
-        pending.notices.record(worker.agent_name, notice.expected)
+        # Its SubmitBlocks may still be on the way (a vouched READ does not wait for it).
+        for engine_id, request_id in self._early.keep(key, early, time.monotonic()):
+            log.warning("notification_for_unknown_request", engine_id=engine_id, request_id=request_id,
+                        hint="no SubmitBlocks came for it; it may have expired or been released")  # fmt: skip
+        return True
+
+    def _count_notice(self, pending: ProducerRequest, notice: EarlyNotice) -> None:
+        pending.notices.record(notice.agent_name, notice.expected)
         self._ctx.trace.event(
             "producer",
             pending.engine_id,
             pending.request_id,
             "notification",
-            f"a consumer's READ from {worker.agent_name} completed",
+            f"a consumer's READ from {notice.agent_name} completed",
             peer_sidecar=notice.sender_sidecar_id,
-            measured=notice_handoff(seen_at),
+            measured=notice_handoff(notice.seen_at),
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
             self._finish(pending, kind, reason=reason, hold_end="read")
-        return True
 
     # --- push ---------------------------------------------------------------------------------
 
