@@ -88,7 +88,7 @@ def run(mode: str, rate: float, count: int) -> tuple[list[dict[str, float]], lis
 
         _open_loop(one, count, rate, workers=64)
         requests = []
-        for request_id, _ in list(pair.completed):
+        for request_id, *_ in list(pair.completed):
             marks = dict(pair.client_marks.get(request_id, {}))
             marks.update(pair.client_marks.get(request_id + "-d", {}))
             marks.update(sidecar_marks(pair.trace(request_id)))

@@ -97,6 +97,13 @@ def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_pat
         extra = row["extra"]
         assert extra["control_path_requests"] >= 1 and 0 < extra["control_p50_ms"] <= extra["control_p99_ms"]
         assert extra["control_p50_ms"] <= row["p50_ms"] + 1e-6, row  # a part of each latency, never more
+        # From the call that let the transfer start: a pull's Pull (after its SubmitBlocks
+        # returned), so less than the whole; a push's SubmitBlocks, the whole.
+        since_call = extra["control_from_last_call_p50_ms"]
+        if row["path"] == "kvsidecar-pull":
+            assert 0 < since_call < extra["control_p50_ms"], row
+        else:
+            assert since_call == extra["control_p50_ms"], row
         assert extra["stages_mean_ms"]["consumer/total"] > 0
         nixl_side = "consumer" if row["path"] == "kvsidecar-pull" else "producer"
         assert extra["stages_mean_ms"][f"{nixl_side}/nixl_transfer"] > 0, row

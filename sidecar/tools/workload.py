@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -37,6 +38,18 @@ from sidecar.core.trace import Timeline, from_proto
 from sidecar.tools.launcher import DaemonProcess
 
 POISON = 0xA5
+
+
+class Completed(NamedTuple):
+    """A request that ended FINISHED_RECEIVING: seconds from the producer's SubmitBlocks
+    (``latency``) and from the engine call that let the transfer start (``from_last_call``: the
+    consumer's Pull, or the SubmitBlocks of a push whose consumer registered first). With vLLM a
+    producer's SubmitBlocks is asynchronous and overlaps the router's hop, so a pull's critical
+    path starts at the Pull."""
+
+    request_id: str
+    latency: float
+    from_last_call: float
 
 
 class TransferFailed(RuntimeError):
@@ -77,9 +90,8 @@ class TransferPair:
         self._waiters: dict[tuple[str, str], concurrent.futures.Future[engine_pb2.Event]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        # (request id, seconds from SubmitBlocks to FINISHED_RECEIVING) of recent successes, for
-        # benchmarks that look a request up afterwards (``trace``).
-        self.completed: collections.deque[tuple[str, float]] = collections.deque(maxlen=100_000)
+        # Recent successes, for benchmarks that look a request up afterwards (``trace``).
+        self.completed: collections.deque[Completed] = collections.deque(maxlen=100_000)
         # Request id -> {mark: time.time()} of what the simulated engines saw (submit, its return,
         # the Pull's return, the terminal event's arrival, the waiter's wake-up), when a timeline
         # tool asked for them (bench/control_timeline.py); None: not recorded.
@@ -151,10 +163,12 @@ class TransferPair:
         received: concurrent.futures.Future[engine_pb2.Event],
         sent: concurrent.futures.Future[engine_pb2.Event],
         started: float,
+        last_call: float = 0.0,
     ) -> float:
         try:
             event = received.result(self.request_timeout)
-            latency = time.perf_counter() - started
+            ended = time.perf_counter()
+            latency = ended - started
             self._mark(request_id + "-d", "D-engine waiter woke")
             sent.result(self.request_timeout)  # the producer freed its blocks too
         except concurrent.futures.TimeoutError:
@@ -165,7 +179,7 @@ class TransferPair:
                 self._waiters.pop(("P", request_id), None)
         if event.kind != engine_pb2.FINISHED_RECEIVING:
             raise TransferFailed(f"{request_id}: {engine_pb2.EventKind.Name(event.kind)}: {event.reason}")
-        self.completed.append((request_id, latency))
+        self.completed.append(Completed(request_id, latency, ended - (last_call or started)))
         return latency
 
     def trace(self, request_id: str) -> list[Timeline]:
@@ -199,6 +213,7 @@ class TransferPair:
         if submitted.voucher_key:
             self._voucher_terms = (submitted.voucher_key, submitted.voucher_seconds)
         signed = voucher.sign(key, self.producer.engine_id, request_id, [list(p_blocks)], until_ms) if key else b""
+        pulled = time.perf_counter()
         self.consumer.client.pull(
             self.consumer.engine_id, request_id + "-d", [list(d_blocks)],
             remote(
@@ -207,7 +222,7 @@ class TransferPair:
             ),
         )  # fmt: skip
         self._mark(request_id + "-d", "D-engine Pull returned")
-        return self._finish(request_id, received, sent, started)
+        return self._finish(request_id, received, sent, started, pulled)
 
     def push(self, p_blocks: Sequence[int], d_blocks: Sequence[int], num_tokens: int = 0) -> float:
         """Consumer registers, producer submits; returns seconds from SubmitBlocks to FINISHED_RECEIVING."""
