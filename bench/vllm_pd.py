@@ -206,6 +206,14 @@ CONFIGS: dict[str, Config] = {
             shim_config=(("idle_wait", 0.005),),
         ),
         Config(
+            "kvsidecar-pull-async",
+            "kvsidecar pull, every load asynchronous, in steps of its own (inline_load_max_tokens=0)",
+            "kvsidecar, A/B",
+            "sidecar",
+            "pull",
+            shim_config=(("inline_load_max_tokens", 0),),
+        ),
+        Config(
             "kvsidecar-pull-no-vouchers",
             "kvsidecar pull, every READ confirmed with P's sidecar first (voucher_seconds=0)",
             "kvsidecar, A/B",

@@ -134,7 +134,8 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
     request = SimpleNamespace(request_id="req-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
     try:
         scheduler.on_new_request(request)  # type: ignore[arg-type]
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (40, True)  # type: ignore[arg-type]
+        # An idle engine would load it inline (all but the last token, synchronously).
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (39, False)  # type: ignore[arg-type]
         scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]  # not scheduled: keep it alive
         assert len(fake.futures) == 1
         callback_thread = threading.Thread(
@@ -149,6 +150,32 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
     finally:
         real_client.subscribe_connectivity(scheduler._on_connectivity)
         scheduler.client = real_client
+
+
+def test_only_a_pull_into_an_idle_engine_loads_inline(scheduler: SchedulerSide) -> None:
+    """inline_load_max_tokens: a pull of at most that many tokens into an engine whose last step
+    computed nothing loads inside the step of its first token (vLLM's synchronous load: all but
+    the last prompt token counted as computed, load_kv_async False), one request per step; a busy
+    engine, a push, or a larger prompt load asynchronously (the whole prompt, load_kv_async True)."""
+    scheduler._down = False  # as if the sidecar were up
+    step = SimpleNamespace(total_num_scheduled_tokens=0)
+
+    def request(name: str, tokens: int, mode: str = "pull") -> Any:
+        params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+                  "remote_port": 50151, "remote_request_id": f"{name}-p", "transfer_mode": mode}  # fmt: skip
+        return SimpleNamespace(request_id=name, kv_transfer_params=params, prompt_token_ids=list(range(tokens)))
+
+    matched = scheduler.get_num_new_matched_tokens
+    assert matched(request("a", 100), 32) == (67, False)  # 100 - 32 local - the last one
+    assert matched(request("b", 100), 0) == (100, True)  # one inline load per step
+    scheduler.build_connector_meta(step)  # type: ignore[arg-type]  # neither allocated: forgotten
+    assert matched(request("push", 100, "push"), 0) == (100, True)
+    assert matched(request("large", 9000), 0) == (9000, True)  # over inline_load_max_tokens (8192)
+    assert matched(request("b", 100), 0) == (99, False)
+    scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1))  # type: ignore[arg-type]
+    assert matched(request("c", 100), 0) == (100, True)  # the last step computed: the engine is busy
+    scheduler.build_connector_meta(step)  # type: ignore[arg-type]
+    assert matched(request("c", 100), 0) == (99, False)
 
 
 def registration(tmp_path: Path, layout: str) -> Any:

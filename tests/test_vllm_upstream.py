@@ -232,7 +232,7 @@ def _toy_proxy(stack: Stack, mode: str) -> None:
         # D computed at most the last prompt token: the rest came from P, every block of it.
         assert external >= length - 1 and computed <= 1, f"toy proxy, {mode}: D {external}, {computed}"
         moved = stack.sidecar_bytes(moved_by, moved_op) - moved_before
-        blocks = -(-int(external) // BLOCK)
+        blocks = -(-length // BLOCK)  # every block of the prompt (an inline load counts one token less)
         assert moved == blocks * LAYERS * BLOCK_BYTES, f"toy proxy, {mode}: {moved} bytes {moved_op} by {moved_by}"
 
 

@@ -63,6 +63,11 @@ class ShimConfig:
     # (vLLM: 1 s); below idle_wait, so an engine that only waits for KV leaves the cores to the
     # sidecar. Negative = leave vLLM's. See engine_spin.
     engine_busy_loop: float = 0.001
+    # A pull of at most this many prompt tokens, into an engine that computed nothing in its last
+    # step, loads inside the step that computes its first token (vLLM's synchronous load): one
+    # engine step sooner than an asynchronous load. Larger ones, pushes and loads under load stay
+    # asynchronous (the step waits for the transfer). 0 = never. See SchedulerSide._loads_inline.
+    inline_load_max_tokens: int = 8192
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)
 
@@ -78,7 +83,7 @@ class ShimConfig:
         values: dict[str, Any] = {"sidecar_socket": str(extra.get("sidecar_socket") or _default_socket())}
         for name in known - {"sidecar_socket"}:
             if name in extra:
-                convert: Any = type(cls.__dataclass_fields__[name].default)  # str or float
+                convert: Any = type(cls.__dataclass_fields__[name].default)  # str, int or float
                 values[name] = convert(extra[name])
         config = cls(**values)
         if config.transfer_mode not in MODES:

@@ -18,6 +18,10 @@ class SidecarConnectorMetadata(KVConnectorMetadata):
     # Consumer: requests whose KV the sidecar now fetches -> (time.monotonic() of the Pull /
     # ExpectPush call, their local block ids of all groups, flat).
     recv_started: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
+    # Consumer: the subset of recv_started that this step loads inline (vLLM scheduled the request
+    # with its KV counted as computed) -> seconds the workers wait for the outcome before the
+    # forward; its outcome is not reported to vLLM as a finished receive.
+    recv_inline: dict[str, float] = field(default_factory=dict)
     # Consumer: request calls that failed (the request must be recomputed) -> reason.
     recv_failed: dict[str, str] = field(default_factory=dict)
     # Producer: requests whose blocks the sidecar now holds for a consumer -> time.monotonic() of

@@ -1,8 +1,10 @@
 """The scheduler role: request-level decisions of one engine (one instance, in the EngineCore process).
 
 Request calls (``SubmitBlocks``, ``Pull``, ``ExpectPush``, ``KeepAlive``, ``Release``) are issued as
-gRPC futures, so ``schedule()`` never waits on the sidecar; vLLM's ``kv_transfer_params`` keep
-their usual keys and meanings (``remote_host``/``remote_port`` name the producer's *sidecar*).
+gRPC futures, so ``schedule()`` does not wait on the sidecar, with one exception: an inline load's
+``Pull`` (``_loads_inline``), whose answer must reach the workers in the same step's metadata, on
+an engine that has nothing else to compute. vLLM's ``kv_transfer_params`` keep their usual keys and
+meanings (``remote_host``/``remote_port`` name the producer's *sidecar*).
 
 Threads: vLLM's scheduler thread calls every method and owns every dict and set here. gRPC
 callback threads complete the futures and only append to the deques ``_failures`` and
@@ -57,6 +59,12 @@ logger = init_logger("vllm.kvsidecar.scheduler")
 # Status codes with which the sidecar refused a request call before starting anything: the request
 # can fail at once. Any other error (a deadline, a cancelled call) leaves it unknown whether the
 # sidecar accepted the call, so the shim first asks it to release the request (see SchedulerSide).
+# An inline load's Pull bound (pull_timeout, if lower): the sidecar ends the Pull by then, and the
+# step's forward, with the rest of the engine, waits for it at most that long (+ INLINE_EVENT_MARGIN
+# for the outcome to arrive). A failed or late load is recomputed.
+INLINE_PULL_TIMEOUT = 2.0
+INLINE_EVENT_MARGIN = 1.0
+
 _REFUSED = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -129,6 +137,14 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         self._all_groups = len(self._transfer_groups) == len(kv_cache_config.kv_cache_groups)
+        # Inline loads: vLLM can recompute a failed synchronous load only from block ids, which are
+        # unambiguous with one KV cache group.
+        self._inline_possible = config.inline_load_max_tokens > 0 and len(kv_cache_config.kv_cache_groups) == 1
+        self._last_step_idle = True  # the last step computed nothing (build_connector_meta)
+        # This step's inline load, chosen in get_num_new_matched_tokens: request id -> its local
+        # prefix hit (tokens, block-aligned); cleared at the end of the step.
+        self._inline: dict[str, int] = {}
+        self._new_inline: dict[str, float] = {}  # for the metadata: request id -> workers' wait bound
         self.client = SidecarClient(config.sidecar_socket, timeout=config.rpc_timeout)
         self._input_waker = self._wake_idle_workers_on_input(data_parallel_rank(vllm_config))
         # This sidecar's PeerService address, returned to routers as remote_host/remote_port.
@@ -368,7 +384,32 @@ class SchedulerSide:
             # of waiting for a failure.
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False
+        if self._loads_inline(params, count):
+            self._inline[request.request_id] = num_computed_tokens
+            # The last prompt token is computed in the step, as after an asynchronous load.
+            return count - 1, False
+        return count, True
+
+    def _loads_inline(self, params: Mapping[str, Any], count: int) -> bool:
+        """Whether this request's KV loads inside the step that computes its first token (vLLM's
+        synchronous load) instead of in steps of its own before it (asynchronous).
+
+        An asynchronous load ends in a step that reports it; only the step after that computes
+        the first token: one engine step (~3 ms with vLLM on the CPU) after the KV is in place. A
+        synchronous load saves it, but the step's forward waits for the transfer, and with it every
+        other request of the batch. So only on an engine that computed nothing in its last step,
+        one request per step, up to ``inline_load_max_tokens`` (beyond, the transfer dwarfs a step,
+        and it would hold the engine longer), and pull only: a pull's producer has finished (the
+        router asked it first), so its READ starts at once, where a push may wait for a prefill."""
+        return (
+            self._inline_possible
+            and self._last_step_idle
+            and not self._inline
+            and 1 < count <= self.config.inline_load_max_tokens
+            and self._mode(params) == "pull"
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         # --- multi-turn hook: pull the matched prefix of a remote hold into the new blocks.
@@ -381,6 +422,7 @@ class SchedulerSide:
                 )
                 self._track_receive(request.request_id, "", local, pulling, "Pull", num_external_tokens)
                 return
+        inline_prefix = self._inline.pop(request.request_id, None)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -399,7 +441,14 @@ class SchedulerSide:
             # Nothing to load (a full local prefix hit, or a recompute decision).
             self._fetch_nothing(request_id, params, "nothing to load")
             return
-        local = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+        if inline_prefix is None:
+            # Blocks of an asynchronous load are cached only once it ends: the unhashed ones.
+            local = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+        else:
+            # A synchronous load's blocks are cached at allocation: those of the prompt but the
+            # local prefix hit (not one allocated ahead for the first output token).
+            skip, end = inline_prefix // self.block_size, -(-len(request.prompt_token_ids or ()) // self.block_size)
+            local = self._transfer_blocks(tuple(group[skip:end] for group in blocks.get_block_ids()))
         pass_voucher, until_ms = voucher_of(params) if mode == "pull" else (b"", 0)
         target = remote(
             address,
@@ -414,10 +463,11 @@ class SchedulerSide:
         # The Pull / ExpectPush also ends the sidecar's keep-alive of the request.
         client = self.client
         call: Callable[[], Future[Any]]
+        pull_timeout = self.config.pull_timeout
+        if inline_prefix is not None:
+            pull_timeout = min(pull_timeout or INLINE_PULL_TIMEOUT, INLINE_PULL_TIMEOUT)
         if mode == "pull":
-            call = partial(
-                client.pull_async, self.engine_id, request_id, local, target, transfer_id, self.config.pull_timeout
-            )
+            call = partial(client.pull_async, self.engine_id, request_id, local, target, transfer_id, pull_timeout)
         else:
             call = partial(
                 client.expect_push_async,
@@ -431,6 +481,28 @@ class SchedulerSide:
         future = self._after_keep_alive(request_id, call)
         what = "Pull" if mode == "pull" else "ExpectPush"
         self._track_receive(request_id, transfer_id, local, future, what, num_external_tokens)
+        if inline_prefix is not None:
+            self._await_inline_call(request_id, transfer_id, future, pull_timeout)
+
+    def _await_inline_call(self, request_id: str, transfer_id: str, future: _FutureLike, pull_timeout: float) -> None:
+        """Wait for an inline load's Pull to be answered, so that a refusal reaches the workers in
+        this step's metadata (they wait for the load before the forward); it overlaps the READ,
+        which the sidecar starts before it answers. The workers wait for the outcome up to the
+        Pull's own bound, which the sidecar enforces, + a margin for the event."""
+        self._new_inline[request_id] = pull_timeout + INLINE_EVENT_MARGIN
+        try:
+            exc = future.exception(timeout=pull_timeout)
+        except concurrent.futures.TimeoutError:
+            return  # the workers' bound ends it; its callback reports it in a later step too
+        except concurrent.futures.CancelledError as cancelled:  # the client is closing
+            exc = cancelled
+        if exc is None:
+            return
+        # Its done-callback reports this too, maybe only after we return: a second report finds
+        # the receive gone and is ignored.
+        code, text = _rpc_error(exc)
+        if code is None or code in _REFUSED:
+            self._failures.append(("recv", request_id, f"Pull failed: {text}"))
 
     def _track_receive(
         self, request_id: str, transfer_id: str, local: BlockIds, future: _FutureLike, what: str, num_external: int
@@ -611,6 +683,8 @@ class SchedulerSide:
                 self._keep_alive(request)
             self._arrived = {}
         meta = SidecarConnectorMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        self._last_step_idle = meta.idle
+        self._inline.clear()  # chosen but not allocated (no room): decided afresh next step
         if self._new_receives:
             meta.recv_started, self._new_receives = self._new_receives, {}
         if self._new_sends:
@@ -639,6 +713,11 @@ class SchedulerSide:
                 self._vouched_until.pop(request_id, None)
                 meta.send_abandoned[request_id] = reason
                 logger.warning("SidecarConnector: %s; freeing the blocks of %s", reason, request_id)
+        if self._new_inline:
+            # The workers end these loads within this step and vLLM hears of no finished receive.
+            meta.recv_inline, self._new_inline = self._new_inline, {}
+            for request_id in meta.recv_inline:
+                self._receives.pop(request_id, None)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -91,6 +91,9 @@ class _PendingReceive:
     blocks: list[int]
     started: float
     issued: float  # time.monotonic() of the scheduler's Pull / ExpectPush call (same host clock)
+    # Loaded inside this step (vLLM's synchronous load): the forward waits for it, and vLLM
+    # expects no finished receive for it, only the block ids of a failed one.
+    inline: bool = False
 
 
 class WorkerSide:
@@ -343,7 +346,7 @@ class WorkerSide:
         # A request call made before this worker's event stream was last lost went to a sidecar
         # registration that no longer exists: no outcome will come for it.
         for request_id, (issued, blocks) in meta.recv_started.items():
-            self._receives[request_id] = _PendingReceive(blocks, now, issued)
+            self._receives[request_id] = _PendingReceive(blocks, now, issued, request_id in meta.recv_inline)
             early = self._early_recv.pop(request_id, None)
             if early is not None:
                 self._on_event(*early)
@@ -360,6 +363,26 @@ class WorkerSide:
             self._fail_receive(request_id, reason)
         for request_id, reason in meta.send_abandoned.items():
             self._finish_send(request_id, reason)
+        if meta.recv_inline:
+            self._load_inline(meta.recv_inline)
+
+    def _load_inline(self, bounds: Mapping[str, float]) -> None:
+        """Wait until this step's inline loads ended, each within its bound (the sidecar's own for
+        the Pull, + the call's), applying every event that arrives meanwhile. A load that ended
+        without its KV, or not in time, leaves its blocks invalid: vLLM discards the step's output
+        for the request and recomputes the prompt from the first invalid block."""
+        started = time.monotonic()
+        for request_id, bound in bounds.items():
+            while request_id in self._receives:
+                remaining = started + bound - time.monotonic()
+                if remaining <= 0:
+                    self._fail_receive(request_id, f"no outcome from the sidecar within {bound:g}s")
+                    break
+                try:
+                    item = self._inbox.get(timeout=remaining)
+                except queue.Empty:
+                    continue
+                self._apply(item)
 
     def poll(self) -> None:
         """Apply what the event stream delivered so far (vLLM's worker thread only; results are
@@ -447,8 +470,9 @@ class WorkerSide:
             self._time_stages(pending.issued, seen)
             if kind == engine_pb2.FINISHED_RECEIVING:
                 del self._receives[request_id]
-                self._done_recving.add(request_id)
-                self._record(request_id, event, "received")
+                if not pending.inline:
+                    self._done_recving.add(request_id)
+                self._record(request_id, event, "received", inline=pending.inline)
             else:
                 self._fail_receive(request_id, event.reason, list(event.failed_block_ids), event)
         elif kind in (engine_pb2.FINISHED_SENDING, engine_pb2.LEASE_EXPIRED):
@@ -477,12 +501,13 @@ class WorkerSide:
         pending = self._receives.pop(request_id, None)
         if pending is None:
             return
-        self._done_recving.add(request_id)
-        self._failed_recving.add(request_id)
-        if self._single_group:
+        if not pending.inline:
+            self._done_recving.add(request_id)
+            self._failed_recving.add(request_id)
+        if self._single_group:  # always, for an inline load (SchedulerSide._loads_inline)
             # Block ids are unambiguous only with one KV cache group (vLLM refuses them otherwise).
             self._invalid_blocks.update(failed or pending.blocks)
-        self._record(request_id, event, "load_failed", reason)
+        self._record(request_id, event, "load_failed", reason, inline=pending.inline)
         logger.warning("SidecarConnector: loading KV for %s failed (%s); vLLM recomputes it", request_id, reason)
 
     def _finish_send(self, request_id: str, reason: str) -> None:
@@ -512,7 +537,9 @@ class WorkerSide:
                 break
             del self._early_recv[request_id]
 
-    def _record(self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = "") -> None:
+    def _record(
+        self, request_id: str, event: engine_pb2.Event | None, outcome: str, reason: str = "", inline: bool = False
+    ) -> None:
         nbytes = event.bytes if event is not None else 0
         duration_ms = event.duration_ms if event is not None else 0.0
         self.stats.record(outcome, nbytes, duration_ms)
@@ -521,6 +548,7 @@ class WorkerSide:
             "bytes": nbytes,
             "duration_ms": duration_ms,
             "reason": reason or (event.reason if event is not None else ""),
+            "inline": inline,  # loaded inside the step that computed the first token
         }
         while len(self.transfers) > 4096:
             self.transfers.popitem(last=False)
