@@ -56,15 +56,14 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvsidecar.scheduler")
 
 
+# An inline load's Pull bound (pull_timeout, if lower): the sidecar ends the Pull by then, so the
+# step's forward, with the rest of the engine, waits about that long at most. A failed or late load
+# is recomputed.
+INLINE_PULL_TIMEOUT = 2.0
+
 # Status codes with which the sidecar refused a request call before starting anything: the request
 # can fail at once. Any other error (a deadline, a cancelled call) leaves it unknown whether the
 # sidecar accepted the call, so the shim first asks it to release the request (see SchedulerSide).
-# An inline load's Pull bound (pull_timeout, if lower): the sidecar ends the Pull by then, and the
-# step's forward, with the rest of the engine, waits for it at most that long (+ INLINE_EVENT_MARGIN
-# for the outcome to arrive). A failed or late load is recomputed.
-INLINE_PULL_TIMEOUT = 2.0
-INLINE_EVENT_MARGIN = 1.0
-
 _REFUSED = frozenset(
     {
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -487,9 +486,15 @@ class SchedulerSide:
     def _await_inline_call(self, request_id: str, transfer_id: str, future: _FutureLike, pull_timeout: float) -> None:
         """Wait for an inline load's Pull to be answered, so that a refusal reaches the workers in
         this step's metadata (they wait for the load before the forward); it overlaps the READ,
-        which the sidecar starts before it answers. The workers wait for the outcome up to the
-        Pull's own bound, which the sidecar enforces, + a margin for the event."""
-        self._new_inline[request_id] = pull_timeout + INLINE_EVENT_MARGIN
+        which the sidecar starts before it answers.
+
+        The workers wait for the sidecar's outcome, which it sends by the Pull's bound, or for the
+        end of their event stream (the sidecar died: nothing can write into the blocks any more).
+        Not for less: a sidecar that is frozen (SIGSTOP, a hung host) may still complete a READ
+        into the blocks when it resumes, and the forward would have used them. So a frozen
+        sidecar holds the step until it resumes, or until ``recv_watchdog``, the last resort of
+        asynchronous loads too."""
+        self._new_inline[request_id] = self.config.recv_watchdog
         try:
             exc = future.exception(timeout=pull_timeout)
         except concurrent.futures.TimeoutError:

@@ -367,10 +367,11 @@ class WorkerSide:
             self._load_inline(meta.recv_inline)
 
     def _load_inline(self, bounds: Mapping[str, float]) -> None:
-        """Wait until this step's inline loads ended, each within its bound (the sidecar's own for
-        the Pull, + the call's), applying every event that arrives meanwhile. A load that ended
-        without its KV, or not in time, leaves its blocks invalid: vLLM discards the step's output
-        for the request and recomputes the prompt from the first invalid block."""
+        """Wait until this step's inline loads ended, each within its bound (``recv_watchdog``: the
+        sidecar ends the Pull by its own, short bound; see SchedulerSide._await_inline_call),
+        applying every event that arrives meanwhile. A load that ended without its KV, or not in
+        time, leaves its blocks invalid: vLLM discards the step's output for the request and
+        recomputes the prompt from the first invalid block."""
         started = time.monotonic()
         for request_id, bound in bounds.items():
             while request_id in self._receives:
