@@ -195,13 +195,13 @@ def test_the_benchmark_pair_pulls_vouched_as_the_vllm_shim_does() -> None:
                 assert ("vouched" in kinds) is vouched and ("confirmed" in kinds) is not vouched, (vouch, kinds)
 
 
-def _read_before_submission(pair, request_id: str, blocks: list[int], local: list[int]) -> tuple[dict, int]:
+def _check_read_before_submission(pair, request_id: str, blocks: list[int], local: list[int]) -> None:
     """A vouched pull of ``request_id`` that reaches the producer's sidecar before the engine's
     SubmitBlocks does, as with vLLM: its shim signs the voucher and hands the parameters to the
     router while SubmitBlocks is still on the way (the call is asynchronous). Another request
     stays held meanwhile, so the producer's transport is polling when the READ's notification
-    comes. The SubmitBlocks is sent 0.3 s after the pull. Returns the pull's event and the
-    submission's voucher time."""
+    comes. The SubmitBlocks is sent 0.3 s after the pull. The bytes arrive, and the producer's
+    engine gets its blocks back at once (FINISHED_SENDING), not at the lease's end (30 s)."""
     producer, consumer, _, _ = pair
     key, _ = _vouched_submit(producer, f"{request_id}-busy", [60])
     until_ms = int((time.time() + 10) * 1000)
@@ -212,30 +212,22 @@ def _read_before_submission(pair, request_id: str, blocks: list[int], local: lis
     )
     submitter.start()
     try:
-        return _pull(consumer, producer, f"{request_id}-d", local, request_id, blocks, signed, until_ms), until_ms
+        event = _pull(consumer, producer, f"{request_id}-d", local, request_id, blocks, signed, until_ms)
     finally:
         submitter.join()
+    assert event["event"] == "FINISHED_RECEIVING", event
+    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
+    assert np.array_equal(p_kv[:, blocks], d_kv[:, local])
+    assert producer.wait_event(request_id, 5)[0]["event"] == "FINISHED_SENDING"
 
 
 def test_a_read_that_came_before_its_submission_frees_the_blocks_at_once(pair) -> None:
-    """The READ's notification came before the request: it is kept and counted at SubmitBlocks,
-    so the producer's engine gets its blocks back then, not at the lease's end (30 s)."""
-    producer, consumer, _, _ = pair
-    event, _ = _read_before_submission(pair, "v7", [16, 17], [41, 42])
-    assert event["event"] == "FINISHED_RECEIVING", event
-    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
-    assert np.array_equal(p_kv[:, [16, 17]], d_kv[:, [41, 42]])
-    assert producer.wait_event("v7", 5)[0]["event"] == "FINISHED_SENDING"
+    """The READ's notification came before the request: it is kept and counted at SubmitBlocks."""
+    _check_read_before_submission(pair, "v7", [16, 17], [41, 42])
 
 
 def test_digests_of_a_request_not_yet_submitted_wait_for_its_submission(sidecars, engines) -> None:
     """integrity=digest asks the producer for digests before the READ: a producer sidecar that
     has not seen the SubmitBlocks yet is asked again (within producer_unknown_grace_seconds), not
     taken for one that lost the request."""
-    pair = _pair(sidecars, engines, ("--integrity", "digest"))
-    producer, consumer, _, _ = pair
-    event, _ = _read_before_submission(pair, "v8", [18, 19], [43, 44])
-    assert event["event"] == "FINISHED_RECEIVING", event
-    p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
-    assert np.array_equal(p_kv[:, [18, 19]], d_kv[:, [43, 44]])
-    assert producer.wait_event("v8", 5)[0]["event"] == "FINISHED_SENDING"
+    _check_read_before_submission(_pair(sidecars, engines, ("--integrity", "digest")), "v8", [18, 19], [43, 44])
