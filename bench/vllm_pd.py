@@ -206,12 +206,12 @@ CONFIGS: dict[str, Config] = {
             shim_config=(("idle_wait", 0.005),),
         ),
         Config(
-            "kvsidecar-pull-async",
-            "kvsidecar pull, every load asynchronous, in steps of its own (inline_load_max_tokens=0)",
+            "kvsidecar-pull-inline",
+            "kvsidecar pull, loads into an idle engine inside the first token's step (inline_load_max_tokens=8192)",
             "kvsidecar, A/B",
             "sidecar",
             "pull",
-            shim_config=(("inline_load_max_tokens", 0),),
+            shim_config=(("inline_load_max_tokens", 8192),),
         ),
         Config(
             "kvsidecar-pull-no-vouchers",

@@ -139,6 +139,13 @@ def assert_loaded_from_outside(answer: dict[str, Any], length: int, mode: str) -
         assert transfer["bytes"] == blocks_of(length) * LAYERS * BLOCK_BYTES, answer
 
 
+# More kv_connector_extra_config per engine.
+EXTRA: dict[str, dict[str, Any]] = {
+    "local_decode": {"memory_export": "torch_shm"},
+    "decode": {"inline_load_max_tokens": 8192},
+}
+
+
 def start_engines(cluster_dir: Path, model: Path, token: str, a: SidecarProcess, b: SidecarProcess) -> Cluster:
     engines: list[VllmEngineProcess] = []
     try:
@@ -162,7 +169,9 @@ def start_engines(cluster_dir: Path, model: Path, token: str, a: SidecarProcess,
                 # D runs one sequence at a time, so a request can be made to wait in its queue.
                 max_num_seqs=1 if name == "decode" else 8,
                 # The same-sidecar decoder shares its KV through the fallback export (torch's shm).
-                extra={"memory_export": "torch_shm"} if name == "local_decode" else None,
+                # D loads a pull into an idle engine inline (opt-in); the hetero module, the
+                # upstream clients and the benchmark's default rows cover asynchronous loads.
+                extra=EXTRA.get(name),
             )
             engines.append(engine)
             made[name] = engine

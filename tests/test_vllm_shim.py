@@ -13,6 +13,7 @@ import importlib
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -134,8 +135,7 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
     request = SimpleNamespace(request_id="req-1", kv_transfer_params=params, prompt_token_ids=list(range(40)))
     try:
         scheduler.on_new_request(request)  # type: ignore[arg-type]
-        # An idle engine would load it inline (all but the last token, synchronously).
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (39, False)  # type: ignore[arg-type]
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (40, True)  # type: ignore[arg-type]
         scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0))  # type: ignore[arg-type]  # not scheduled: keep it alive
         assert len(fake.futures) == 1
         callback_thread = threading.Thread(
@@ -153,10 +153,11 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
 
 
 def test_only_a_pull_into_an_idle_engine_loads_inline(scheduler: SchedulerSide) -> None:
-    """inline_load_max_tokens: a pull of at most that many tokens into an engine whose last step
-    computed nothing loads inside the step of its first token (vLLM's synchronous load: all but
-    the last prompt token counted as computed, load_kv_async False), one request per step; a busy
-    engine, a push, or a larger prompt load asynchronously (the whole prompt, load_kv_async True)."""
+    """inline_load_max_tokens (opt-in): a pull of at most that many tokens into an engine whose
+    last step computed nothing loads inside the step of its first token (vLLM's synchronous load:
+    all but the last prompt token counted as computed, load_kv_async False), one request per
+    step; a busy engine, a push, or a larger prompt load asynchronously (the whole prompt,
+    load_kv_async True)."""
     scheduler._down = False  # as if the sidecar were up
     step = SimpleNamespace(total_num_scheduled_tokens=0)
 
@@ -166,11 +167,16 @@ def test_only_a_pull_into_an_idle_engine_loads_inline(scheduler: SchedulerSide) 
         return SimpleNamespace(request_id=name, kv_transfer_params=params, prompt_token_ids=list(range(tokens)))
 
     matched = scheduler.get_num_new_matched_tokens
+    assert matched(request("off", 100), 0) == (100, True)  # off by default
+    scheduler.config = replace(scheduler.config, inline_load_max_tokens=8192)
+    scheduler._inline_possible = True  # as an engine built with it (one KV cache group, no async scheduling)
     assert matched(request("a", 100), 32) == (67, False)  # 100 - 32 local - the last one
     assert matched(request("b", 100), 0) == (100, True)  # one inline load per step
-    scheduler.build_connector_meta(step)  # type: ignore[arg-type]  # neither allocated: forgotten
+    scheduler._new_inline["a"] = scheduler._inline.pop("a")  # as its allocation and Pull do
+    assert matched(request("b", 100), 0) == (100, True)  # still one per step once allocated
+    scheduler.build_connector_meta(step)  # type: ignore[arg-type]
     assert matched(request("push", 100, "push"), 0) == (100, True)
-    assert matched(request("large", 9000), 0) == (9000, True)  # over inline_load_max_tokens (8192)
+    assert matched(request("large", 9000), 0) == (9000, True)  # over inline_load_max_tokens
     assert matched(request("b", 100), 0) == (99, False)
     scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1))  # type: ignore[arg-type]
     assert matched(request("c", 100), 0) == (100, True)  # the last step computed: the engine is busy

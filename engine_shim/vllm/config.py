@@ -63,11 +63,13 @@ class ShimConfig:
     # (vLLM: 1 s); below idle_wait, so an engine that only waits for KV leaves the cores to the
     # sidecar. Negative = leave vLLM's. See engine_spin.
     engine_busy_loop: float = 0.001
-    # A pull of at most this many prompt tokens, into an engine that computed nothing in its last
-    # step, loads inside the step that computes its first token (vLLM's synchronous load): one
-    # engine step sooner than an asynchronous load. Larger ones, pushes and loads under load stay
-    # asynchronous (the step waits for the transfer). 0 = never. See SchedulerSide._loads_inline.
-    inline_load_max_tokens: int = 8192
+    # Opt-in: a pull of at most this many prompt tokens, into an engine that computed nothing in
+    # its last step, loads inside the step that computes its first token (vLLM's synchronous load):
+    # one engine step sooner than an asynchronous load. Larger ones, pushes and loads under load
+    # stay asynchronous (the step waits for the transfer). 0 = never (the default: a failed
+    # synchronous load's blocks stay in vLLM's prefix cache until recomputed). See
+    # SchedulerSide._loads_inline.
+    inline_load_max_tokens: int = 0
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)
 

@@ -104,6 +104,22 @@ def _ignore(future: _FutureLike) -> None:
     future.exception()
 
 
+def _inline_possible(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ShimConfig) -> bool:
+    """Whether this engine may load inline at all (``SchedulerSide._loads_inline``)."""
+    if config.inline_load_max_tokens <= 0:
+        return False
+    if len(kv_cache_config.kv_cache_groups) != 1:
+        return False  # vLLM maps a failed synchronous load back to requests by block id only then
+    if getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) > 1:
+        return False  # a block spans block_size x DCP tokens there: the block list would be wrong
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+        # The next step is scheduled before this one's outcome: a failed load's request would
+        # already have its next token scheduled over the KV it lacks.
+        logger.warning("SidecarConnector: inline_load_max_tokens ignored: vLLM schedules asynchronously")
+        return False
+    return True
+
+
 def _rpc_error(exc: BaseException) -> tuple[grpc.StatusCode | None, str]:
     if isinstance(exc, grpc.RpcError):
         code = exc.code()
@@ -136,9 +152,7 @@ class SchedulerSide:
         self._kv_cache_config = kv_cache_config
         self._transfer_groups = tuple(kv_cache_config.transfer_group_ids)
         self._all_groups = len(self._transfer_groups) == len(kv_cache_config.kv_cache_groups)
-        # Inline loads: vLLM can recompute a failed synchronous load only from block ids, which are
-        # unambiguous with one KV cache group.
-        self._inline_possible = config.inline_load_max_tokens > 0 and len(kv_cache_config.kv_cache_groups) == 1
+        self._inline_possible = _inline_possible(vllm_config, kv_cache_config, config)
         self._last_step_idle = True  # the last step computed nothing (build_connector_meta)
         # This step's inline load, chosen in get_num_new_matched_tokens: request id -> its local
         # prefix hit (tokens, block-aligned); cleared at the end of the step.
@@ -405,7 +419,7 @@ class SchedulerSide:
         return (
             self._inline_possible
             and self._last_step_idle
-            and not self._inline
+            and not (self._inline or self._new_inline)
             and 1 < count <= self.config.inline_load_max_tokens
             and self._mode(params) == "pull"
         )
@@ -495,10 +509,12 @@ class SchedulerSide:
         sidecar holds the step until it resumes, or until ``recv_watchdog``, the last resort of
         asynchronous loads too."""
         self._new_inline[request_id] = self.config.recv_watchdog
+        # The call (and a KeepAlive before it) carries the rpc_timeout deadline: an outcome comes.
+        rpc_timeout = self.config.rpc_timeout
         try:
-            exc = future.exception(timeout=pull_timeout)
-        except concurrent.futures.TimeoutError:
-            return  # the workers' bound ends it; its callback reports it in a later step too
+            exc = future.exception(timeout=2 * rpc_timeout + 1.0)
+        except concurrent.futures.TimeoutError as late:  # the RPC threads are backed up
+            exc = late
         except concurrent.futures.CancelledError as cancelled:  # the client is closing
             exc = cancelled
         if exc is None:
@@ -506,8 +522,16 @@ class SchedulerSide:
         # Its done-callback reports this too, maybe only after we return: a second report finds
         # the receive gone and is ignored.
         code, text = _rpc_error(exc)
-        if code is None or code in _REFUSED:
-            self._failures.append(("recv", request_id, f"Pull failed: {text}"))
+        if code is not None and code not in _REFUSED:
+            # Unknown whether the sidecar started: ask it to stop. If it knew the request, its
+            # terminal event reaches the workers; else no event comes, so fail it here.
+            try:
+                release = self.client.release_async(self.engine_id, request_id, transfer_id, reason=text[:200])
+                if release.result(timeout=rpc_timeout + 1.0).found:
+                    return
+            except Exception:
+                pass
+        self._failures.append(("recv", request_id, f"Pull failed: {text}"))
 
     def _track_receive(
         self, request_id: str, transfer_id: str, local: BlockIds, future: _FutureLike, what: str, num_external: int
