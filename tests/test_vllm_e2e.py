@@ -344,9 +344,7 @@ def test_same_sidecar(cluster: Cluster, mode: str) -> None:
         answer = cluster.local_decode.generate(prompt, MAX_TOKENS, decode_params(params))
         assert answer["token_ids"] == cluster.reference(prompt), f"{mode}, {length} tokens"
         assert_loaded_from_outside(answer, length, mode)
-        # D computed nothing in its last step: a pull loads inside the step of the first token
-        # (inline_load); a push stays asynchronous (it may wait for a prefill).
-        assert answer["transfer"]["inline"] is (mode == "pull"), answer
+        assert answer["transfer"]["inline"] is False, answer  # this D keeps the default: asynchronous
 
 
 # --- the proxy in front of vLLM's API servers ------------------------------------------------------

@@ -495,9 +495,9 @@ class SchedulerSide:
         what = "Pull" if mode == "pull" else "ExpectPush"
         self._track_receive(request_id, transfer_id, local, future, what, num_external_tokens)
         if inline_prefix is not None:
-            self._await_inline_call(request_id, transfer_id, future, pull_timeout)
+            self._await_inline_call(request_id, transfer_id, future)
 
-    def _await_inline_call(self, request_id: str, transfer_id: str, future: _FutureLike, pull_timeout: float) -> None:
+    def _await_inline_call(self, request_id: str, transfer_id: str, future: _FutureLike) -> None:
         """Wait for an inline load's Pull to be answered, so that a refusal reaches the workers in
         this step's metadata (they wait for the load before the forward); it overlaps the READ,
         which the sidecar starts before it answers.
