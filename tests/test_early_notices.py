@@ -3,11 +3,11 @@ and count, each handed over once."""
 
 from __future__ import annotations
 
-from sidecar.core.early_notices import EarlyNotice, EarlyNotices
+from sidecar.core.early_notices import EarlyNotices, ReadNotice
 
 
-def _notice(agent: str = "a0") -> EarlyNotice:
-    return EarlyNotice(agent, 1, "sender", 0.0)
+def _notice(agent: str = "a0") -> ReadNotice:
+    return ReadNotice(agent, 1, "sender", 0.0)
 
 
 def test_kept_notices_are_handed_over_once() -> None:

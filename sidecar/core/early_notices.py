@@ -16,7 +16,9 @@ from typing import Generic, NamedTuple, TypeVar
 Key = TypeVar("Key")
 
 
-class EarlyNotice(NamedTuple):
+class ReadNotice(NamedTuple):
+    """A consumer's READ from one of our workers completed (its NIXL notification)."""
+
     agent_name: str  # our worker that the consumer READ from
     expected: int  # notifications that worker expects for the request (the sender says)
     sender_sidecar_id: str
@@ -27,9 +29,9 @@ class EarlyNotices(Generic[Key]):
     def __init__(self, max_age_seconds: float, capacity: int = 4096) -> None:
         self._max_age = max_age_seconds
         self._capacity = capacity
-        self._kept: OrderedDict[Key, tuple[float, list[EarlyNotice]]] = OrderedDict()
+        self._kept: OrderedDict[Key, tuple[float, list[ReadNotice]]] = OrderedDict()
 
-    def keep(self, key: Key, notice: EarlyNotice, now: float) -> list[Key]:
+    def keep(self, key: Key, notice: ReadNotice, now: float) -> list[Key]:
         """Keep ``notice`` for ``key``; returns the keys dropped unclaimed (too old, or over
         capacity, oldest first): their notifications were for requests that never came here, or
         that had already ended."""
@@ -41,7 +43,7 @@ class EarlyNotices(Generic[Key]):
             dropped.append(self._kept.popitem(last=False)[0])
         return dropped
 
-    def take(self, key: Key, now: float) -> list[EarlyNotice]:
+    def take(self, key: Key, now: float) -> list[ReadNotice]:
         """The notifications kept for ``key`` (none if they are too old), forgetting them."""
         if not self._kept:
             return []

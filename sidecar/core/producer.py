@@ -40,7 +40,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
-from sidecar.core.early_notices import EarlyNotice, EarlyNotices
+from sidecar.core.early_notices import EarlyNotices, ReadNotice
 from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
 from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
@@ -618,22 +618,22 @@ class ProducerSide:
         take it. ``seen_at``: when the NIXL owner thread saw the notification (time.monotonic())."""
         key = (notice.engine_id, notice.request_id)
         pending = self.requests.get(key)
-        early = EarlyNotice(worker.agent_name, notice.expected, notice.sender_sidecar_id, seen_at)
+        read = ReadNotice(worker.agent_name, notice.expected, notice.sender_sidecar_id, seen_at)
         if pending is not None:
             if not pending.accepts_pull:
                 return False
-            self._count_notice(pending, early)
+            self._count_notice(pending, read)
             return True
         engine = self._ctx.registry.engines.get(worker.engine_id)
         if engine is None or engine.role not in PRODUCER_ROLES:
             return False
         # Its SubmitBlocks may still be on the way (a vouched READ does not wait for it).
-        for engine_id, request_id in self._early.keep(key, early, time.monotonic()):
+        for engine_id, request_id in self._early.keep(key, read, time.monotonic()):
             log.warning("notification_for_unknown_request", engine_id=engine_id, request_id=request_id,
                         hint="no SubmitBlocks came for it; it may have expired or been released")  # fmt: skip
         return True
 
-    def _count_notice(self, pending: ProducerRequest, notice: EarlyNotice) -> None:
+    def _count_notice(self, pending: ProducerRequest, notice: ReadNotice) -> None:
         pending.notices.record(notice.agent_name, notice.expected)
         self._ctx.trace.event(
             "producer",
