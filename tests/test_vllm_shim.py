@@ -184,6 +184,25 @@ def test_only_a_pull_into_an_idle_engine_loads_inline(scheduler: SchedulerSide) 
     assert matched(request("c", 100), 0) == (99, False)
 
 
+def test_an_inline_pull_the_sidecar_refuses_fails_in_the_same_step(scheduler: SchedulerSide) -> None:
+    """The workers wait for an inline load before the step's forward, and a refused Pull sends no
+    event: the refusal must reach them in the same step's metadata. Here the Pull really goes to a
+    socket with no sidecar (UNAVAILABLE)."""
+    scheduler._down = False
+    scheduler.config = replace(scheduler.config, inline_load_max_tokens=8192)
+    scheduler._inline_possible = True
+    params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+              "remote_port": 50151, "remote_request_id": "r-p", "remote_block_ids": [[5, 6, 7]]}  # fmt: skip
+    request = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=list(range(70)))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (69, False)  # type: ignore[arg-type]
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13],))  # one ahead for the first output token
+    scheduler.update_state_after_alloc(request, blocks, 69)  # type: ignore[arg-type]
+    meta = scheduler.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=1))  # type: ignore[arg-type]
+    assert meta.recv_started["r"][1] == [10, 11, 12]  # the prompt's blocks only
+    assert "r" in meta.recv_inline
+    assert "UNAVAILABLE" in meta.recv_failed["r"], meta.recv_failed
+
+
 def registration(tmp_path: Path, layout: str) -> Any:
     """The RegisterWorker request a worker builds for a KV cache of ``layout`` (in a shm file under tmp)."""
     config = kv_cache_config(None, num_blocks=4, layout=layout)

@@ -493,8 +493,9 @@ class SchedulerSide:
             )
         future = self._after_keep_alive(request_id, call)
         what = "Pull" if mode == "pull" else "ExpectPush"
-        self._track_receive(request_id, transfer_id, local, future, what, num_external_tokens)
-        if inline_prefix is not None:
+        inline = inline_prefix is not None
+        self._track_receive(request_id, transfer_id, local, future, what, num_external_tokens, inline)
+        if inline:
             self._await_inline_call(request_id, transfer_id, future)
 
     def _await_inline_call(self, request_id: str, transfer_id: str, future: _FutureLike) -> None:
@@ -513,14 +514,17 @@ class SchedulerSide:
         rpc_timeout = self.config.rpc_timeout
         try:
             exc = future.exception(timeout=2 * rpc_timeout + 1.0)
-        except concurrent.futures.TimeoutError as late:  # the RPC threads are backed up
-            exc = late
-        except concurrent.futures.CancelledError as cancelled:  # the client is closing
+        except concurrent.futures.TimeoutError:
+            # Not even sent yet (the RPC threads are backed up): fail it in this step, and have
+            # the sidecar release it once the call ends, should it start the Pull after all.
+            self._release_after(self._receives[request_id], "the inline load's Pull was not answered in time")
+            self._failures.append(("recv", request_id, "Pull failed: not answered in time"))
+            return
+        except concurrent.futures.CancelledError as cancelled:  # the client is closing: never sent
             exc = cancelled
         if exc is None:
             return
-        # Its done-callback reports this too, maybe only after we return: a second report finds
-        # the receive gone and is ignored.
+        # As _on_receive_call_done (which inline loads skip), but decided within this step.
         code, text = _rpc_error(exc)
         if code is not None and code not in _REFUSED:
             # Unknown whether the sidecar started: ask it to stop. If it knew the request, its
@@ -534,14 +538,22 @@ class SchedulerSide:
         self._failures.append(("recv", request_id, f"Pull failed: {text}"))
 
     def _track_receive(
-        self, request_id: str, transfer_id: str, local: BlockIds, future: _FutureLike, what: str, num_external: int
+        self,
+        request_id: str,
+        transfer_id: str,
+        local: BlockIds,
+        future: _FutureLike,
+        what: str,
+        num_external: int,
+        inline: bool = False,
     ) -> None:
         """A receive's request call was issued: its workers hear of it in the next metadata, and a
-        failed call reaches them as a failed receive."""
+        failed call reaches them as a failed receive (an inline load's: ``_await_inline_call``)."""
         flat_blocks = flat(local)
         self._receives[request_id] = _Receive(request_id, transfer_id, flat_blocks, future)
         self._new_receives[request_id] = (time.monotonic(), flat_blocks)
-        future.add_done_callback(lambda f: self._on_receive_call_done(request_id, transfer_id, what, f))
+        if not inline:
+            future.add_done_callback(lambda f: self._on_receive_call_done(request_id, transfer_id, what, f))
         self.external_tokens[request_id] = num_external
         while len(self.external_tokens) > 4096:
             self.external_tokens.popitem(last=False)
