@@ -1,9 +1,9 @@
-"""EarlyNotices: READ notifications kept for requests whose SubmitBlocks is late, bounded in age
-and count, each handed over once."""
+"""EarlyNotices: READ notifications and releases kept for requests whose SubmitBlocks is late,
+bounded in age and count, each handed over once."""
 
 from __future__ import annotations
 
-from sidecar.core.early_notices import EarlyNotices, ReadNotice
+from sidecar.core.early_notices import EarlyNotices, ReadNotice, ReleaseNotice
 
 
 def _notice(agent: str = "a0") -> ReadNotice:
@@ -34,3 +34,10 @@ def test_capacity_drops_the_oldest() -> None:
     assert early.keep(1, _notice("a1"), now=0.2) == []  # a second one for a kept request takes no room
     assert early.keep(3, _notice(), now=0.3) == [1]
     assert early.take(2, now=0.4) and early.take(3, now=0.4) and len(early) == 0
+
+
+def test_reads_and_releases_are_handed_over_in_their_order() -> None:
+    early: EarlyNotices[str] = EarlyNotices(max_age_seconds=2.0)
+    early.keep("r1", _notice("a0"), now=10.0)
+    early.keep("r1", ReleaseNotice(consumed=True, reason="done", identity=""), now=10.1)
+    assert [type(n) for n in early.take("r1", now=10.2)] == [ReadNotice, ReleaseNotice]

@@ -15,7 +15,7 @@ import pytest
 from engine_shim.vllm.params import voucher_of
 from kvsidecar import voucher
 from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
-from tests.support.processes import EngineProcess, stopped
+from tests.support.processes import EngineProcess, stopped, wait_until
 from tests.test_pull import kv
 from tests.test_trace import trace_over_socket
 
@@ -231,3 +231,31 @@ def test_digests_of_a_request_not_yet_submitted_wait_for_its_submission(sidecars
     has not seen the SubmitBlocks yet is asked again (within producer_unknown_grace_seconds), not
     taken for one that lost the request."""
     _check_read_before_submission(_pair(sidecars, engines, ("--integrity", "digest")), "v8", [18, 19], [43, 44])
+
+
+def test_a_release_that_came_before_its_submission_frees_the_blocks_at_once(pair, engines) -> None:
+    """A vouched pull that fails before it READs (here: D's engine has another layer count)
+    tells the producer's sidecar to free the blocks. When that release arrives before the engine's
+    SubmitBlocks (vLLM's is asynchronous), it is kept and applied when the request comes: P's
+    engine gets its blocks back at once, not at the voucher's (10 s) or the lease's end (30 s)."""
+    producer, _, p_side, d_side = pair
+    other = engines(d_side, "D-other", "consumer", layers=3)
+    key, _ = _vouched_submit(producer, "v9-busy", [61])
+    until_ms = int((time.time() + 10) * 1000)
+    signed = voucher.sign(key, "P", "v9", [[20, 21]], until_ms)
+    event = _pull(other, producer, "v9-d", [45, 46], "v9", [20, 21], signed, until_ms)
+    assert event["event"] == "LOAD_FAILED" and "layers" in event["reason"], event
+    # The consumer's release reaches P's sidecar (sent as the load fails) before the SubmitBlocks.
+    wait_until(
+        lambda: any(e.get("event") == "consumer_released" and e.get("request_id") == "v9" for e in p_side.log_events()),
+        10,
+        what="the consumer's release at P's sidecar",
+    )
+    submitted = time.monotonic()
+    reply = producer.command("submit", request_id="v9", blocks=[[20, 21]], vouched_until_ms=until_ms)
+    assert reply["ok"], reply
+    freed = producer.wait_event("v9", 5)[0]
+    assert freed["event"] == "FINISHED_SENDING" and "before its SubmitBlocks" in freed["reason"], freed
+    assert time.monotonic() - submitted < 5
+    # Nothing was read: the consumer's blocks are untouched.
+    assert not kv(other.buffers[0], 3, 64, 4096)[:, [45, 46]].any()

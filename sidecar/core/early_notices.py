@@ -1,11 +1,12 @@
-"""READ notifications that reached the producer before their request did.
+"""What a consumer told the producer about a request before the request reached it.
 
 A vouched pull (``kvsidecar.voucher``) READs without asking the producer's sidecar, and the vLLM
 shim's SubmitBlocks is asynchronous: the consumer can finish its READ, and its notification
-arrive, before this sidecar has the request. Such a notification is kept here, for as long as a
-SubmitBlocks may be late (``producer_unknown_grace_seconds``) and at most ``capacity`` of them,
-and counted when the request comes; otherwise the engine would get its blocks back only at the
-lease's end. Pure bookkeeping, no I/O; the producer calls it on the event loop thread.
+arrive, or give up and release the request, before this sidecar has the request. Such a notice
+(``ReadNotice``, ``ReleaseNotice``) is kept here, for as long as a SubmitBlocks may be late
+(``producer_unknown_grace_seconds``) and for at most ``capacity`` requests, and applied in order
+when the request comes; otherwise the engine would get its blocks back only at the lease's end.
+Pure bookkeeping, no I/O; the producer calls it on the event loop thread.
 """
 
 from __future__ import annotations
@@ -25,16 +26,27 @@ class ReadNotice(NamedTuple):
     seen_at: float  # time.monotonic() when the transport's owner thread saw it
 
 
+class ReleaseNotice(NamedTuple):
+    """A consumer released the request (``PeerRelease``): it will not READ it (any more)."""
+
+    consumed: bool
+    reason: str
+    identity: str  # the caller's certificate names with mTLS, "" without (``ProducerSide._authorize``)
+
+
+EarlyNotice = ReadNotice | ReleaseNotice
+
+
 class EarlyNotices(Generic[Key]):
     def __init__(self, max_age_seconds: float, capacity: int = 4096) -> None:
         self._max_age = max_age_seconds
         self._capacity = capacity
-        self._kept: OrderedDict[Key, tuple[float, list[ReadNotice]]] = OrderedDict()
+        self._kept: OrderedDict[Key, tuple[float, list[EarlyNotice]]] = OrderedDict()
 
-    def keep(self, key: Key, notice: ReadNotice, now: float) -> list[Key]:
+    def keep(self, key: Key, notice: EarlyNotice, now: float) -> list[Key]:
         """Keep ``notice`` for ``key``; returns the keys dropped unclaimed (too old, or over
-        capacity, oldest first): their notifications were for requests that never came here, or
-        that had already ended."""
+        capacity, oldest first): their notices were for requests that never came here, or that
+        had already ended."""
         dropped = self._drop_older_than(now - self._max_age)
         kept_at, notices = self._kept.get(key, (now, []))
         notices.append(notice)
@@ -43,8 +55,8 @@ class EarlyNotices(Generic[Key]):
             dropped.append(self._kept.popitem(last=False)[0])
         return dropped
 
-    def take(self, key: Key, now: float) -> list[ReadNotice]:
-        """The notifications kept for ``key`` (none if they are too old), forgetting them."""
+    def take(self, key: Key, now: float) -> list[EarlyNotice]:
+        """The notices kept for ``key`` in their order (none if they are too old), forgetting them."""
         if not self._kept:
             return []
         kept_at, notices = self._kept.pop(key, (now, []))

@@ -40,7 +40,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
-from sidecar.core.early_notices import EarlyNotices, ReadNotice
+from sidecar.core.early_notices import EarlyNotices, ReadNotice, ReleaseNotice
 from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
 from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
@@ -129,7 +129,7 @@ class ProducerSide:
         self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
         # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
         self._pushing: dict[tuple[str, str], RequestKey] = {}
-        # READ notifications that came before their request's SubmitBlocks (a vouched pull).
+        # READ notifications and releases that came before their request's SubmitBlocks (a vouched pull).
         self._early: EarlyNotices[RequestKey] = EarlyNotices(ctx.settings.producer_unknown_grace_seconds)
 
     # --- EngineService ------------------------------------------------------------------------
@@ -187,10 +187,24 @@ class ProducerSide:
         self._update_gauges()
         log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
         if pending.accepts_pull:
-            for early in self._early.take(pending.key, time.monotonic()):
+            self._apply_early(pending)
+        return self._submitted(engine, lease, matched)
+
+    def _apply_early(self, pending: ProducerRequest) -> None:
+        """Apply, in their order, what the consumer said before this request came (a vouched pull
+        reaches this sidecar without waiting for the engine's SubmitBlocks)."""
+        for early in self._early.take(pending.key, time.monotonic()):
+            if pending.key not in self.requests:
+                return
+            if isinstance(early, ReadNotice):
                 # Not a loop wake-up's delay: the notification waited for this request.
                 self._count_notice(pending, early._replace(seen_at=0.0))
-        return self._submitted(engine, lease, matched)
+                continue
+            try:
+                self._authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
+            except PermissionDenied:
+                continue  # logged; the engine's SubmitBlocks must not fail for a stranger's call
+            self._release_by_consumer(pending, early.consumed, f"{early.reason} (before its SubmitBlocks came)")
 
     def _submitted(self, engine: Engine, lease: float, matched: bool) -> engine_pb2.SubmitBlocksResponse:
         seconds = self._ctx.settings.voucher_seconds
@@ -602,14 +616,24 @@ class ProducerSide:
                 if consumer_key[1] == request.consumer_request_id:
                     pending = self.requests.get(producer_key)
         if pending is None:
+            engine = ctx.registry.engines.get(request.engine_id)
+            if request.request_id and engine is not None and engine.role in PRODUCER_ROLES:
+                # Its SubmitBlocks may still be on the way (a vouched pull that failed early).
+                notice = ReleaseNotice(request.consumed, request.reason, identity)
+                self._keep_early((request.engine_id, request.request_id), notice)
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
         self._authorize(pending, identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
+        in_flight = self._release_by_consumer(pending, request.consumed, request.reason)
+        return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=in_flight)
+
+    def _release_by_consumer(self, pending: ProducerRequest, consumed: bool, reason: str) -> bool:
+        """The consumer is done with ``pending``: free it, or after its WRITEs (True)."""
         if pending.writing:
-            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {request.reason}")
-            return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=True)
-        verb = "consumed" if request.consumed else "released"
-        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {request.reason}")
-        return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
+            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {reason}")
+            return True
+        verb = "consumed" if consumed else "released"
+        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {reason}")
+        return False
 
     # --- notifications ------------------------------------------------------------------------
 
@@ -628,10 +652,14 @@ class ProducerSide:
         if engine is None or engine.role not in PRODUCER_ROLES:
             return False
         # Its SubmitBlocks may still be on the way (a vouched READ does not wait for it).
-        for engine_id, request_id in self._early.keep(key, read, time.monotonic()):
-            log.warning("notification_for_unknown_request", engine_id=engine_id, request_id=request_id,
-                        hint="no SubmitBlocks came for it; it may have expired or been released")  # fmt: skip
+        self._keep_early(key, read)
         return True
+
+    def _keep_early(self, key: RequestKey, notice: ReadNotice | ReleaseNotice) -> None:
+        for engine_id, request_id in self._early.keep(key, notice, time.monotonic()):
+            log.warning("notice_for_unknown_request", engine_id=engine_id, request_id=request_id,
+                        hint="a consumer's READ notification or release came, but no SubmitBlocks for it; "
+                        "it may have expired or been released")  # fmt: skip
 
     def _count_notice(self, pending: ProducerRequest, notice: ReadNotice) -> None:
         pending.notices.record(notice.agent_name, notice.expected)
