@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from kvsidecar.cuda_ipc import CUDA_IPC_HANDLE_BYTES
 from kvsidecar.v1 import common_pb2, engine_pb2
-
-IPC_HANDLE_BYTES = 64
 
 
 def cuda_available() -> str | None:
@@ -55,9 +54,9 @@ def ipc_handle(shareable: bytes) -> bytes:
     version byte and a type byte before it (``c10/cuda/CUDACachingAllocator.cpp``: ``'c'`` for a
     plain ``cudaMalloc`` segment, ``'e'`` for an expandable segment, which CUDA IPC cannot open);
     older releases gave the bare 64 bytes."""
-    if len(shareable) == IPC_HANDLE_BYTES:
+    if len(shareable) == CUDA_IPC_HANDLE_BYTES:
         return shareable
-    if len(shareable) == IPC_HANDLE_BYTES + 2 and shareable[1] == ord("c"):
+    if len(shareable) == CUDA_IPC_HANDLE_BYTES + 2 and shareable[1] == ord("c"):
         return shareable[2:]
     if len(shareable) > 1 and shareable[1] == ord("e"):
         raise RuntimeError(

@@ -25,12 +25,12 @@ import ctypes
 import threading
 from dataclasses import dataclass
 
+from kvsidecar.cuda_ipc import CUDA_IPC_HANDLE_BYTES
 from sidecar.errors import FailedPrecondition, InvalidArgument
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.cuda_ipc")
 
-HANDLE_BYTES = 64
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 _LIBRARY = "libcuda.so.1"
@@ -40,7 +40,7 @@ class _IpcHandle(ctypes.Structure):
     # CUipcMemHandle (= cudaIpcMemHandle_t) is a struct passed *by value*: a bare ctypes array
     # argument would pass a pointer to it instead. Bytes, not c_char: ctypes copies a bytes value
     # into a c_char array field only up to its first NUL, and handles are full of zeros.
-    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
+    _fields_ = [("reserved", ctypes.c_ubyte * CUDA_IPC_HANDLE_BYTES)]
 
 
 def handle_struct(handle: bytes) -> _IpcHandle:
@@ -173,8 +173,10 @@ def _get_driver() -> _Driver:
 def open_handle(handle: bytes, device_id: int, offset: int, length: int, field_name: str) -> OpenedHandle:
     """Open an exported handle and check that [offset, offset + length) lies inside its allocation.
     Raises InvalidArgument for a malformed export, FailedPrecondition where this node cannot open it."""
-    if len(handle) != HANDLE_BYTES:
-        raise InvalidArgument(f"{field_name}.cuda_ipc_handle", f"must be {HANDLE_BYTES} bytes, got {len(handle)}")
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        raise InvalidArgument(
+            f"{field_name}.cuda_ipc_handle", f"must be {CUDA_IPC_HANDLE_BYTES} bytes, got {len(handle)}"
+        )
     if length <= 0:
         raise InvalidArgument(f"{field_name}.length", "must be > 0")
     driver = _get_driver()
