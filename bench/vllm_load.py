@@ -82,8 +82,8 @@ _BENCH_SERVE = (
 SERVED_MODEL = "tiny"  # the servers' --served-model-name (tests.support.vllm_engine.VllmServer)
 LOAD_CONFIGS = ("kvsidecar-pull", "kvsidecar-push", "nixl-pull-fixed", "nixl-push-fixed")
 # Not run unless named (bench.vllm_pd's rows): vLLM's connectors with kvsidecar's engine busy-loop cap,
-# kvsidecar with its sidecars weighted as the systemd unit weights them, and with its posts (on one
-# host: the copy) raised to SCHED_FIFO (nixl.post_priority=1).
+# kvsidecar with its sidecars weighted as the systemd unit weights them, with its posts (on one
+# host: the copy) raised to SCHED_FIFO (nixl.post_priority=1), and with inline loads (opt-in).
 DIAGNOSTIC_CONFIGS = (
     "nixl-pull-fixed-busy-loop",
     "nixl-push-fixed-busy-loop",
@@ -93,6 +93,7 @@ DIAGNOSTIC_CONFIGS = (
     "kvsidecar-push-post-priority",
     "kvsidecar-pull-idle-wait-2ms",
     "kvsidecar-push-idle-wait-2ms",
+    "kvsidecar-pull-inline",
 )
 PROXY = REPO / "examples" / "pd_proxy.py"
 # The fragmented layout's cache-cycling prompts: long (few requests), well under MAX_MODEL_LEN.
