@@ -251,11 +251,9 @@ def test_a_release_that_came_before_its_submission_frees_the_blocks_at_once(pair
         10,
         what="the consumer's release at P's sidecar",
     )
-    submitted = time.monotonic()
     reply = producer.command("submit", request_id="v9", blocks=[[20, 21]], vouched_until_ms=until_ms)
     assert reply["ok"], reply
-    freed = producer.wait_event("v9", 5)[0]
+    freed = producer.wait_event("v9", 5)[0]  # not at the voucher's end (10 s)
     assert freed["event"] == "FINISHED_SENDING" and "before its SubmitBlocks" in freed["reason"], freed
-    assert time.monotonic() - submitted < 5
     # Nothing was read: the consumer's blocks are untouched.
     assert not kv(other.buffers[0], 3, 64, 4096)[:, [45, 46]].any()

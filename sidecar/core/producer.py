@@ -40,7 +40,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
-from sidecar.core.early_notices import EarlyNotices, ReadNotice, ReleaseNotice
+from sidecar.core.early_notices import EarlyNotice, EarlyNotices, ReadNotice, ReleaseNotice
 from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
 from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
@@ -616,9 +616,7 @@ class ProducerSide:
                 if consumer_key[1] == request.consumer_request_id:
                     pending = self.requests.get(producer_key)
         if pending is None:
-            engine = ctx.registry.engines.get(request.engine_id)
-            if request.request_id and engine is not None and engine.role in PRODUCER_ROLES:
-                # Its SubmitBlocks may still be on the way (a vouched pull that failed early).
+            if request.request_id:  # a vouched pull that failed early: its SubmitBlocks may be on the way
                 notice = ReleaseNotice(request.consumed, request.reason, identity)
                 self._keep_early((request.engine_id, request.request_id), notice)
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
@@ -648,18 +646,20 @@ class ProducerSide:
                 return False
             self._count_notice(pending, read)
             return True
-        engine = self._ctx.registry.engines.get(worker.engine_id)
+        # Its SubmitBlocks may still be on the way (a vouched READ does not wait for it).
+        return self._keep_early(key, read)
+
+    def _keep_early(self, key: RequestKey, notice: EarlyNotice) -> bool:
+        """Keep ``notice`` until its request's SubmitBlocks comes (``_apply_early``). False if
+        ``key`` names no producer engine of ours: nothing can come for it."""
+        engine = self._ctx.registry.engines.get(key[0])
         if engine is None or engine.role not in PRODUCER_ROLES:
             return False
-        # Its SubmitBlocks may still be on the way (a vouched READ does not wait for it).
-        self._keep_early(key, read)
-        return True
-
-    def _keep_early(self, key: RequestKey, notice: ReadNotice | ReleaseNotice) -> None:
         for engine_id, request_id in self._early.keep(key, notice, time.monotonic()):
             log.warning("notice_for_unknown_request", engine_id=engine_id, request_id=request_id,
                         hint="a consumer's READ notification or release came, but no SubmitBlocks for it; "
                         "it may have expired or been released")  # fmt: skip
+        return True
 
     def _count_notice(self, pending: ProducerRequest, notice: ReadNotice) -> None:
         pending.notices.record(notice.agent_name, notice.expected)
