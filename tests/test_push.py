@@ -272,6 +272,47 @@ def test_a_producer_release_fails_the_waiting_consumer_at_once(sidecars, engines
     assert time.monotonic() - started < 5.0
 
 
+@pytest.mark.parametrize("known", ["transfer_id", "producer_request_id"])
+def test_a_push_released_before_its_blocks_came_frees_them_at_submission(sidecars, engines, known: str) -> None:
+    """D's request is aborted while it waits for P's prefill (a client that went away, both legs
+    dispatched at once): when P's blocks come, P's engine gets them back at once, not at its
+    lease's end (30 s here), and nothing is written into D's blocks, which D has handed back."""
+    producer, consumer, _, _ = engine_pair(sidecars, engines)
+    assert producer.command("fill", blocks=[5, 6], seed=4)["ok"]
+    if known == "transfer_id":
+        expect(consumer, producer, "gone-d", [1, 2], transfer_id="t-gone")
+        submit = {"transfer_id": "t-gone"}
+    else:  # no transfer id: D names P's request (the router forwarded P's answer)
+        expect(consumer, producer, "gone-d", [1, 2], remote={"request_id": "gone-p"})
+        submit = {}
+    assert consumer.command("release", request_id="gone-d", reason="client went away")["ok"]
+    event = consumer.wait_event("gone-d", 10)[0]
+    assert event["event"] == "LOAD_FAILED" and "client went away" in event["reason"], event
+    assert producer.command("submit", request_id="gone-p", blocks=[[5, 6]], mode=PUSH, **submit)["ok"]
+    event = producer.wait_event("gone-p", 5)[0]
+    assert event["event"] == "FINISHED_SENDING", event
+    assert "client went away" in event["reason"] and "before its SubmitBlocks came" in event["reason"], event
+    assert not kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN).any()
+
+
+def test_a_decode_leg_retried_after_a_release_still_gets_the_push(sidecars, engines) -> None:
+    """The router retries the decode leg with the same transfer id after the first one was
+    aborted: the released registration must not free the blocks the retry waits for."""
+    producer, consumer, _, _ = engine_pair(sidecars, engines)
+    assert producer.command("fill", blocks=[5, 6], seed=9)["ok"]
+    expect(consumer, producer, "first-d", [1, 2], transfer_id="t-retry")
+    assert consumer.command("release", request_id="first-d", reason="aborted")["ok"]
+    assert consumer.wait_event("first-d", 10)[0]["event"] == "LOAD_FAILED"
+    expect(consumer, producer, "retry-d", [3, 4], transfer_id="t-retry")
+    assert producer.command("submit", request_id="retry-p", blocks=[[5, 6]], transfer_id="t-retry", mode=PUSH)["ok"]
+    assert consumer.wait_event("retry-d", 10)[0]["event"] == "FINISHED_RECEIVING", consumer.events_for("retry-d")
+    assert producer.wait_event("retry-p", 10)[0]["event"] == "FINISHED_SENDING"
+    source = kv(producer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN)
+    target = kv(consumer.buffers[0], LAYERS, BLOCKS, BLOCK_LEN)
+    assert np.array_equal(source[:, [5, 6]], target[:, [3, 4]])
+    assert not target[:, [1, 2]].any()
+
+
 def test_a_full_prefix_hit_on_d_in_push_mode_frees_both_sides_without_writing(sidecars, engines) -> None:
     producer, consumer, _, _ = engine_pair(sidecars, engines, p_args=["--lease-seconds", "60"])
     assert producer.command("fill", blocks=[1, 2], seed=2)["ok"]

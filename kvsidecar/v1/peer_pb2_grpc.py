@@ -119,7 +119,11 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """The other side is done with a request (consumed, or aborted): free it here.
+        """The other side is done with a request (consumed, or aborted): free it here. A release that
+        comes before the producer engine's SubmitBlocks is kept for it: one naming the request (a
+        vouched pull that gave up) for producer_unknown_grace_seconds; one that withdraws a push
+        registration matched by transfer id or the producer's request id for as long as the
+        registration would have waited. The blocks then go back at SubmitBlocks (FINISHED_SENDING).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

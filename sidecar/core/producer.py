@@ -131,6 +131,11 @@ class ProducerSide:
         self._pushing: dict[tuple[str, str], RequestKey] = {}
         # READ notifications and releases that came before their request's SubmitBlocks (a vouched pull).
         self._early: EarlyNotices[RequestKey] = EarlyNotices(ctx.settings.producer_unknown_grace_seconds)
+        # Push registrations their consumer released before the blocks came (an abort during the
+        # prefill), by (producer engine, "tid:" transfer id or "rid:" producer request id): the
+        # blocks go back at SubmitBlocks instead of at the lease's end. Kept as long as a
+        # registration waits (the consumer's push timeout, by default).
+        self._withdrawn: EarlyNotices[tuple[str, str]] = EarlyNotices(ctx.settings.push_registration_timeout_seconds)
 
     # --- EngineService ------------------------------------------------------------------------
 
@@ -184,6 +189,8 @@ class ProducerSide:
             if registration is not None:
                 self._start_push(pending, registration)
                 matched = True
+            else:
+                self._apply_withdrawn(pending)
         self._update_gauges()
         log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
         if pending.accepts_pull:
@@ -199,12 +206,29 @@ class ProducerSide:
             if isinstance(early, ReadNotice):
                 # Not a loop wake-up's delay: the notification waited for this request.
                 self._count_notice(pending, early._replace(seen_at=0.0))
-                continue
-            try:
-                self._authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
-            except PermissionDenied:
-                continue  # logged; the engine's SubmitBlocks must not fail for a stranger's call
-            self._release_by_consumer(pending, early.consumed, f"{early.reason} (before its SubmitBlocks came)")
+            else:
+                self._apply_early_release(pending, early)
+
+    def _apply_withdrawn(self, pending: ProducerRequest) -> None:
+        """Free an unmatched push submission whose consumer released its registration before it came."""
+        if not len(self._withdrawn):
+            return
+        now = time.monotonic()
+        found = [
+            notice
+            for key in _withdrawal_keys(pending.engine_id, pending.transfer_id, pending.request_id)
+            for notice in self._withdrawn.take(key, now)
+            if isinstance(notice, ReleaseNotice)
+        ]
+        if found:
+            self._apply_early_release(pending, found[0])
+
+    def _apply_early_release(self, pending: ProducerRequest, early: ReleaseNotice) -> None:
+        try:
+            self._authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
+        except PermissionDenied:
+            return  # logged; the engine's SubmitBlocks must not fail for a stranger's call
+        self._release_by_consumer(pending, early.consumed, f"{early.reason} (before its SubmitBlocks came)")
 
     def _submitted(self, engine: Engine, lease: float, matched: bool) -> engine_pb2.SubmitBlocksResponse:
         seconds = self._ctx.settings.voucher_seconds
@@ -459,6 +483,11 @@ class ProducerSide:
             order=PushOrder(request, blocks, writes_until),
             identity=identity,
         )
+        if len(self._withdrawn):
+            # A consumer registers again (a router that retried the decode leg): live again.
+            ids = (registration.engine_id, registration.transfer_id, registration.prefill_request_id)
+            for key in _withdrawal_keys(*ids):
+                self._withdrawn.take(key, arrival)
         if self.matcher.submission_matching(registration) is None:
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
             # we already hold is served even while draining, so the consumer need not recompute.
@@ -608,6 +637,12 @@ class ProducerSide:
             self._authorize(registration, identity, "Release", f"push registration {'/'.join(registration.key)}")
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
+            notice = ReleaseNotice(request.consumed, request.reason, identity)
+            # A registration matched on base ids alone is not kept: a retried request shares them.
+            keys = _withdrawal_keys(registration.engine_id, registration.transfer_id, registration.prefill_request_id)
+            for key in keys[:1]:
+                for engine_id, token in self._withdrawn.keep(key, notice, time.monotonic()):
+                    log.debug("withdrawn_push_registration_forgotten", engine_id=engine_id, token=token)
             self._update_gauges()
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
         pending = self._find(request.engine_id, request.request_id, request.transfer_id)
@@ -975,3 +1010,11 @@ class ProducerSide:
 
 def _count(blocks: BlockIds) -> int:
     return sum(len(group) for group in blocks)
+
+
+def _withdrawal_keys(engine_id: str, transfer_id: str, producer_request_id: str) -> list[tuple[str, str]]:
+    """Where a withdrawn push registration is kept, strongest match first (as ``core.matching``)."""
+    keys = [(engine_id, "tid:" + transfer_id)] if transfer_id else []
+    if producer_request_id:
+        keys.append((engine_id, "rid:" + producer_request_id))
+    return keys
