@@ -316,3 +316,44 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
         assert "block_ids" in gone["r2"], gone
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("when", ["prefix_hit_after_the_submission", "aborted_before_the_submission"])
+def test_a_push_consumer_that_fetches_nothing_frees_the_producers_blocks(
+    sidecars: Any, engines: Any, when: str
+) -> None:
+    """D's shim in push mode fetches nothing for a request: its prompt is all in D's prefix cache
+    (after P submitted), or the request is aborted before it was scheduled (during P's prefill, both
+    legs dispatched at once). P's engine must get its blocks back then, not when its lease (60 s
+    here) runs out. Real sidecars; a simulated engine stands for P and registers D's engine id."""
+    p_side = sidecars("p", args=["--lease-seconds", "60"])
+    d_side = sidecars("d")
+    producer = engines(p_side, "prefill-0", "producer", blocks=64, block_size=32)
+    engines(d_side, "decode-0", "consumer", blocks=64, block_size=32)
+    kv_cache_config = SimpleNamespace(transfer_group_ids=(0,), kv_cache_groups=[object()])
+    config = ShimConfig(sidecar_socket=str(d_side.socket), rpc_timeout=5.0)
+    scheduler = SchedulerSide(vllm_config(kv_role="kv_consumer"), kv_cache_config, config)  # type: ignore[arg-type]
+    host, _, port = producer.peer_address.rpartition(":")
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": producer.engine_id,
+              "remote_host": host, "remote_port": int(port), "tp_size": 1, "transfer_mode": "push",
+              "transfer_id": "t-nothing"}  # fmt: skip
+    request = SimpleNamespace(request_id="d-1", kv_transfer_params=params, prompt_token_ids=list(range(64)))
+
+    def submit() -> None:
+        reply = producer.command("submit", request_id="p-1", blocks=[[3, 4]], transfer_id="t-nothing", mode=2)
+        assert reply["ok"], reply
+
+    try:
+        if when == "prefix_hit_after_the_submission":
+            submit()
+            assert scheduler.get_num_new_matched_tokens(request, 64) == (0, False)  # type: ignore[arg-type]
+            no_blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: ([],))
+            scheduler.update_state_after_alloc(request, no_blocks, 0)  # type: ignore[arg-type]
+        else:
+            assert scheduler.request_finished(request, ([],)) == (False, None)  # type: ignore[arg-type]
+            time.sleep(0.5)  # P's prefill ends after D's abort reached its sidecar
+            submit()
+        event = producer.wait_event("p-1", 10)[0]
+        assert event["event"] == "FINISHED_SENDING", event
+    finally:
+        scheduler.shutdown()

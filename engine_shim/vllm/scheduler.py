@@ -568,24 +568,32 @@ class SchedulerSide:
         self._after_keep_alive(request_id, release).add_done_callback(_ignore)
 
     def _notify_only(self, request_id: str, params: Mapping[str, Any]) -> bool:
-        """Tell the producer's sidecar that this consumer reads nothing, so it frees its blocks.
-
-        Pull mode only: an empty Pull is the sidecar's "full prefix hit" path. In push mode the
-        producer's lease frees them (the contract has no consumer-side cancel before ExpectPush)."""
-        remote_blocks = grouped(params.get("remote_block_ids"))
+        """Tell the producer's sidecar that this consumer fetches nothing, so it frees its blocks:
+        an empty Pull (pull mode) or an empty ExpectPush (push mode, also before the producer
+        submitted: its blocks then go back as soon as it does), the sidecar's full prefix hit path.
+        Otherwise the producer would hold them until its lease ran out."""
         address = peer_address(params)
-        if self._mode(params) != "pull" or not remote_blocks or address is None or self._down:
+        engine = params.get("remote_engine_id")
+        if address is None or not engine or self._down:
             return False
-        target = remote(
-            address,
-            str(params.get("remote_engine_id")),
-            str(params.get("remote_request_id") or ""),
-            remote_blocks,
-            int(params.get("tp_size") or 0),
-        )
-        empty: BlockIds = tuple([] for _ in remote_blocks)
+        remote_request_id = str(params.get("remote_request_id") or "")
+        tp_size = int(params.get("tp_size") or 0)
         transfer_id = str(params.get("transfer_id") or "")
-        call = partial(self.client.pull_async, self.engine_id, request_id, empty, target, transfer_id)
+        call: Callable[[], Future[Any]]
+        if self._mode(params) == "pull":
+            remote_blocks = grouped(params.get("remote_block_ids"))
+            if not remote_blocks:
+                return False
+            target = remote(address, str(engine), remote_request_id, remote_blocks, tp_size)
+            empty: BlockIds = tuple([] for _ in remote_blocks)
+            call = partial(self.client.pull_async, self.engine_id, request_id, empty, target, transfer_id)
+        else:
+            target = remote(address, str(engine), remote_request_id, None, tp_size)
+            empty = tuple([] for _ in self._transfer_groups)
+            push_timeout = self.config.push_timeout
+            call = partial(
+                self.client.expect_push_async, self.engine_id, request_id, empty, target, transfer_id, push_timeout
+            )
         # Best effort: the producer's lease frees the blocks otherwise.
         self._after_keep_alive(request_id, call).add_done_callback(_ignore)
         return True
