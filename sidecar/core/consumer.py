@@ -529,6 +529,10 @@ class ConsumerSide:
                     await self._confirm_held(pending)
                     if self.requests.get(pending.key) is not pending:
                         return  # a heartbeat round failed it meanwhile
+                if self.requests.get(pending.key) is not pending:
+                    # Released (or failed) during the handshake or a check: the engine has its
+                    # blocks back and the producer was told; no READ may start into them now.
+                    return
                 ctx.metrics.pull_reads.labels(checked_by="voucher" if vouched_until else "producer").inc()
                 # The READ must end while the producer still holds the blocks for certain.
                 now = time.monotonic()
@@ -969,6 +973,10 @@ class ConsumerSide:
         for item in group:
             key = item.heartbeat_key()
             item_key = (item.engine_id, item.request_id)
+            if item_key not in self.requests and item_key not in self.kept:
+                # Ended while the heartbeat was out (released, failed): its checks are forgotten,
+                # and writing them back would re-arm a READ into blocks its engine has back.
+                continue
             if (key.request_id, key.transfer_id, key.consumer_request_id) in unknown_keys:
                 unknown.append(item)
                 continue
