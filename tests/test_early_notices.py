@@ -41,3 +41,12 @@ def test_reads_and_releases_are_handed_over_in_their_order() -> None:
     early.keep("r1", _notice("a0"), now=10.0)
     early.keep("r1", ReleaseNotice(consumed=True, reason="done", identity=""), now=10.1)
     assert [type(n) for n in early.take("r1", now=10.2)] == [ReadNotice, ReleaseNotice]
+
+
+def test_peek_leaves_the_notices_for_every_later_caller_until_they_are_too_old() -> None:
+    """A producer's release is shown to each consumer that registers for the request after it."""
+    early: EarlyNotices[str] = EarlyNotices(max_age_seconds=2.0)
+    early.keep("r1", ReleaseNotice(False, "prefill failed", ""), now=10.0)
+    assert [n.reason for n in early.peek("r1", now=11.0) if isinstance(n, ReleaseNotice)] == ["prefill failed"]
+    assert len(early.peek("r1", now=11.5)) == 1 and len(early) == 1
+    assert early.peek("r1", now=12.5) == [] and early.peek("other", now=11.0) == []

@@ -6,6 +6,10 @@ arrive, or give up and release the request, before this sidecar has the request.
 (``ReadNotice``, ``ReleaseNotice``) is kept here, for as long as a SubmitBlocks may be late
 (``producer_unknown_grace_seconds``) and for at most ``capacity`` requests, and applied in order
 when the request comes; otherwise the engine would get its blocks back only at the lease's end.
+The producer keeps two more kinds of releases here, by transfer id or request id, for a push
+(``ProducerSide``): a consumer's that withdrew its registration before the blocks came (applied
+at SubmitBlocks), and its own engine's that came before any consumer registered (shown, with
+``peek``, to each PushReg that comes for it, which is refused).
 Pure bookkeeping, no I/O; the producer calls it on the event loop thread.
 """
 
@@ -60,6 +64,11 @@ class EarlyNotices(Generic[Key]):
         if not self._kept:
             return []
         kept_at, notices = self._kept.pop(key, (now, []))
+        return notices if now - kept_at <= self._max_age else []
+
+    def peek(self, key: Key, now: float) -> list[EarlyNotice]:
+        """The notices kept for ``key`` (none if they are too old), left in place."""
+        kept_at, notices = self._kept.get(key, (now, []))
         return notices if now - kept_at <= self._max_age else []
 
     def __len__(self) -> int:

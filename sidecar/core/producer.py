@@ -136,6 +136,10 @@ class ProducerSide:
         # blocks go back at SubmitBlocks instead of at the lease's end. Kept as long as a
         # registration waits (the consumer's push timeout, by default).
         self._withdrawn: EarlyNotices[tuple[str, str]] = EarlyNotices(ctx.settings.push_registration_timeout_seconds)
+        # The mirror: push requests the producer engine released before any consumer registered
+        # (a failed prefill, both legs dispatched at once), by the same keys: a PushReg for one is
+        # refused at once instead of waiting for blocks that will not come.
+        self._released: EarlyNotices[tuple[str, str]] = EarlyNotices(ctx.settings.push_registration_timeout_seconds)
 
     # --- EngineService ------------------------------------------------------------------------
 
@@ -183,6 +187,10 @@ class ProducerSide:
         )
         matched = False
         if pending.accepts_push:
+            if len(self._released):
+                # Submitted again (a router that retried the prefill leg): live again.
+                for key in _withdrawal_keys(pending.engine_id, pending.transfer_id, pending.request_id):
+                    self._released.take(key, time.monotonic())
             registration = self.matcher.add_submission(
                 Submission(pending.engine_id, pending.request_id, pending.transfer_id)
             )
@@ -352,6 +360,7 @@ class ProducerSide:
             # the prefill failed): withdraw its registration and tell it now, not at its watchdog.
             registration = self.matcher.registration_matching(Submission(engine_id, request_id, transfer_id))
             if registration is None:
+                self._keep_released(engine_id, transfer_id, request_id, reason)
                 return False
             self.matcher.remove_registration(registration.key)
             self._registration_deadlines.cancel(registration.key)
@@ -365,8 +374,31 @@ class ProducerSide:
         if pending.writing:
             self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
             return True
+        if pending.accepts_push:
+            self._keep_released(engine_id, pending.transfer_id, pending.request_id, reason)
         self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
         return True
+
+    def _keep_released(self, engine_id: str, transfer_id: str, request_id: str, reason: str) -> None:
+        notice = ReleaseNotice(False, reason, "")
+        for key in _withdrawal_keys(engine_id, transfer_id, request_id):
+            for engine, token in self._released.keep(key, notice, time.monotonic()):
+                log.debug("released_push_request_forgotten", engine_id=engine, token=token)
+
+    def _refuse_if_released(self, registration: Registration[PushOrder], now: float) -> None:
+        """A consumer registers for a request its producer engine already released."""
+        if not len(self._released):
+            return
+        ids = (registration.engine_id, registration.transfer_id, registration.prefill_request_id)
+        for key in _withdrawal_keys(*ids):
+            released = [notice for notice in self._released.peek(key, now) if isinstance(notice, ReleaseNotice)]
+            if released:
+                kind, value = key[1].split(":", 1)
+                named = "transfer id" if kind == "tid" else "request id"
+                raise FailedPrecondition(
+                    f"producer engine {registration.engine_id} released the request ({named} {value!r}) "
+                    f"before this push registration came: {released[0].reason}"
+                )
 
     # --- PeerService --------------------------------------------------------------------------
 
@@ -489,6 +521,7 @@ class ProducerSide:
             for key in _withdrawal_keys(*ids):
                 self._withdrawn.take(key, arrival)
         if self.matcher.submission_matching(registration) is None:
+            self._refuse_if_released(registration, arrival)
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
             # we already hold is served even while draining, so the consumer need not recompute.
             ctx.tasks.check_capacity(self.matcher.pending_registrations)
