@@ -23,9 +23,12 @@ time) moves ``readable_until`` and the lease to that time + the clock skew allow
 
 Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
 
-Why ~600 lines: one request table with one lease timer, matched, pushed, read, released and
-expired; the push writer (``_start_push``, ``_push``, ``_send_transfer_failed``) is the next cut,
-into ``core/push.py``, when it grows.
+Why ~1000 lines: one request table with one lease timer, matched, pushed, read, released and
+expired, and the releases either side makes before the other came. The push writer (``handle_push_reg``,
+``_start_push``, ``_push``, ``_send_transfer_failed``, the matcher and the withdrawn and released
+push requests) is the next cut, into ``core/push.py``; it calls back into the request table
+(``_finish``, ``_authorize``, the leases), so ``ProducerRequest`` moves to a module of its own
+first (the import contracts forbid a cycle between the two).
 Runs on the event loop thread.
 """
 
