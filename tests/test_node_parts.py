@@ -137,7 +137,7 @@ def test_push_writes_into_the_consumers_blocks_whichever_side_comes_first(tmp_pa
             # The consumer registers first; the producer's submission then starts the WRITE.
             expect = SidecarClient.expect_push_request(D, "req-2-d", [[10, 11]], remote(ADDRESS, P, "req-2"))
             await h.node.consumer.expect_push(expect)
-            assert h.node.producer.matcher.pending_registrations == 1
+            assert h.node.producer.push.matcher.pending_registrations == 1
             push = common_pb2.TRANSFER_MODE_PUSH
             response = await h.node.producer.submit(SidecarClient.submit_request(P, "req-2", [[0, 1]], mode=push))
             assert response.push_matched
@@ -643,7 +643,7 @@ def test_a_held_gpu_push_ends_as_soon_as_the_producer_answers(tmp_path: Path) ->
             _mark_gpu(h, False)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
             assert "held until the producer answered that no WRITE is in flight" in failed.reason, failed.reason
-            assert not h.node.producer.matcher.pending_registrations, "the producer still waits to write"
+            assert not h.node.producer.push.matcher.pending_registrations, "the producer still waits to write"
 
     run(scenario)
 
@@ -684,12 +684,12 @@ def test_a_push_registration_handled_after_its_write_by_is_refused(tmp_path: Pat
                 write_by_unix_ms=int((time.time() - 1.0) * 1000),
             )
             with pytest.raises(FailedPrecondition, match=r"write_by_unix_ms.*the consumer has given up"):
-                await h.node.producer.handle_push_reg(late)
-            assert not h.node.producer.matcher.pending_registrations
+                await h.node.producer.push.handle_push_reg(late)
+            assert not h.node.producer.push.matcher.pending_registrations
             in_time = peer_pb2.PushRegRequest()
             in_time.CopyFrom(late)
             in_time.write_by_unix_ms = int((time.time() + 2.0) * 1000)
-            answer = await h.node.producer.handle_push_reg(in_time)
+            answer = await h.node.producer.push.handle_push_reg(in_time)
             # Posting ends 2 s less the 0.5 s clock allowance from now, not after the 60 s timeout;
             # the last WRITE posted then has the transfer timeout to end.
             posting = answer.writes_end_within_seconds - h.node.settings.transfer_timeout_seconds

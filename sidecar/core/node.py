@@ -98,7 +98,7 @@ class Node:
         self.events.on_detached = self.registrations.detached
         self.routes = PeerRoutes(
             handshake=self.handshakes.handle,
-            push_reg=self.producer.handle_push_reg,
+            push_reg=self.producer.push.handle_push_reg,
             heartbeat=self.producer.handle_heartbeat,
             query_cache=self.holds.handle_query_cache,
             transfer_failed=self.consumer.handle_transfer_failed,
@@ -282,8 +282,8 @@ class Node:
             peers=self.peers.status(),
             leases=len(self.producer.leases),
             transfers_in_flight=self.transport.in_flight,
-            pending_push_registrations=self.producer.matcher.pending_registrations,
-            unmatched_submissions=self.producer.matcher.unmatched_submissions,
+            pending_push_registrations=self.producer.push.matcher.pending_registrations,
+            unmatched_submissions=self.producer.push.matcher.unmatched_submissions,
             pending_receives=len(self.consumer.requests),
             held_requests=len(self.holds),
             held_blocks=self.holds.index.held_blocks,

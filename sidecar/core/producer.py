@@ -23,12 +23,9 @@ time) moves ``readable_until`` and the lease to that time + the clock skew allow
 
 Blocks held with HoldBlocks (multi-turn) are producer requests too, with a fixed TTL.
 
-Why ~1000 lines: one request table with one lease timer, matched, pushed, read, released and
-expired, and the releases either side makes before the other came. The push writer (``handle_push_reg``,
-``_start_push``, ``_push``, ``_send_transfer_failed``, the matcher and the withdrawn and released
-push requests) is the next cut, into ``core/push.py``; it calls back into the request table
-(``_finish``, ``_authorize``, the leases), so ``ProducerRequest`` moves to a module of its own
-first (the import contracts forbid a cycle between the two).
+The push writer (matching registrations with submissions, the WRITEs, releases either side made
+before the other came) is ``core.push``; the request record and who may act on it,
+``core.producer_request``.
 Runs on the event loop thread.
 """
 
@@ -36,88 +33,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
 from sidecar.core.early_notices import EarlyNotice, EarlyNotices, ReadNotice, ReleaseNotice
-from sidecar.core.handshake import check_compatibility
 from sidecar.core.holds import Holds
-from sidecar.core.matching import PushMatcher, Registration, Submission, base_request_id
-from sidecar.core.notices import NoticeTally
+from sidecar.core.matching import base_request_id
+from sidecar.core.producer_request import ProducerRequest, RequestKey, authorize, count_blocks
+from sidecar.core.push import PushWriter
 from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
 from sidecar.core.trace import notice_handoff, since_rpc
 from sidecar.dataplane.integrity import DigestSpan, check_span, digests
 from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
 from sidecar.dataplane.plan.convert import single_group
-from sidecar.dataplane.plan.layout import BlockIds, PlanError
-from sidecar.dataplane.plane import TransferJob
+from sidecar.dataplane.plan.layout import BlockIds
 from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    SidecarError,
 )
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
-
-RequestKey = tuple[str, str]  # (engine_id, request_id)
-
-
-class PushOrder(NamedTuple):
-    """What a consumer's registration carries to the push it starts: its PushReg, the validated
-    destination blocks, and the time (monotonic) after which no WRITE of it may be posted, which
-    the answer promised the consumer (``writes_end_within_seconds``; see ``_writes_until``)."""
-
-    request: peer_pb2.PushRegRequest
-    blocks: BlockIds
-    writes_until: float
-
-
-@dataclass
-class ProducerRequest:
-    engine_id: str
-    request_id: str
-    transfer_id: str
-    block_ids: BlockIds
-    num_tokens: int
-    mode: int
-    lease_seconds: float
-    created: float = field(default_factory=time.monotonic)
-    notices: NoticeTally = field(default_factory=NoticeTally)
-    writing: bool = False
-    # While writing: the registration's deadline for posting a WRITE (``PushOrder.writes_until``).
-    writes_until: float = 0.0
-    held: bool = False
-    bytes_moved: int = 0
-    # Until when (monotonic) a consumer may still READ these blocks (see the module docstring).
-    readable_until: float = 0.0
-    # Released (or its hold TTL ended) but a consumer may still READ: the event to emit when freed.
-    closing: tuple[int, str] | None = None
-    # Why a push's blocks are freed once its WRITEs end: (event kind, reason).
-    end: tuple[int, str] | None = None
-    # The consumer's certificate identity (mTLS): from its push registration, or the first peer
-    # that heartbeats or releases a pull. Other peers may not act on the request.
-    peer_identity: str = ""
-
-    @property
-    def key(self) -> RequestKey:
-        return (self.engine_id, self.request_id)
-
-    @property
-    def accepts_pull(self) -> bool:
-        return self.mode != common_pb2.TRANSFER_MODE_PUSH
-
-    @property
-    def accepts_push(self) -> bool:
-        return self.mode != common_pb2.TRANSFER_MODE_PULL and not self.held
 
 
 class ProducerSide:
@@ -127,22 +69,9 @@ class ProducerSide:
         self.requests: dict[RequestKey, ProducerRequest] = {}
         self._by_transfer: dict[tuple[str, str], RequestKey] = {}
         self.leases: DeadlineTimer[RequestKey] = DeadlineTimer(self._on_leases_expired)
-        self.matcher: PushMatcher[PushOrder] = PushMatcher()
-        # Push registrations waiting for blocks expire with the consumer's watchdog.
-        self._registration_deadlines: DeadlineTimer[tuple[str, str]] = DeadlineTimer(self._on_registrations_expired)
-        # Consumer (decode engine, request) -> producer request being written, for idempotent PushReg.
-        self._pushing: dict[tuple[str, str], RequestKey] = {}
         # READ notifications and releases that came before their request's SubmitBlocks (a vouched pull).
         self._early: EarlyNotices[RequestKey] = EarlyNotices(ctx.settings.producer_unknown_grace_seconds)
-        # Push registrations their consumer released before the blocks came (an abort during the
-        # prefill), by (producer engine, "tid:" transfer id or "rid:" producer request id): the
-        # blocks go back at SubmitBlocks instead of at the lease's end. Kept as long as a
-        # registration waits (the consumer's push timeout, by default).
-        self._withdrawn: EarlyNotices[tuple[str, str]] = EarlyNotices(ctx.settings.push_registration_timeout_seconds)
-        # The mirror: push requests the producer engine released before any consumer registered
-        # (a failed prefill, both legs dispatched at once), by the same keys: a PushReg for one is
-        # refused at once instead of waiting for blocks that will not come.
-        self._released: EarlyNotices[tuple[str, str]] = EarlyNotices(ctx.settings.push_registration_timeout_seconds)
+        self.push = PushWriter(ctx, self)
 
     # --- EngineService ------------------------------------------------------------------------
 
@@ -183,26 +112,14 @@ class ProducerSide:
             pending.engine_id,
             pending.request_id,
             "admitted",
-            f"SubmitBlocks: {_count(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, lease {lease:g}s",
+            f"SubmitBlocks: {count_blocks(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, "
+            f"lease {lease:g}s",
             transfer_id=pending.transfer_id,
             measured=since_rpc(),
             mode="pull" if request.mode == common_pb2.TRANSFER_MODE_PULL else "",
         )
-        matched = False
-        if pending.accepts_push:
-            if len(self._released):
-                # Submitted again (a router that retried the prefill leg): live again.
-                for key in _withdrawal_keys(pending.engine_id, pending.transfer_id, pending.request_id):
-                    self._released.take(key, time.monotonic())
-            registration = self.matcher.add_submission(
-                Submission(pending.engine_id, pending.request_id, pending.transfer_id)
-            )
-            if registration is not None:
-                self._start_push(pending, registration)
-                matched = True
-            else:
-                self._apply_withdrawn(pending)
-        self._update_gauges()
+        matched = self.push.submitted(pending) if pending.accepts_push else False
+        self.push.update_gauges()
         log.debug("blocks_submitted", engine_id=pending.engine_id, request_id=pending.request_id, matched=matched)
         if pending.accepts_pull:
             self._apply_early(pending)
@@ -218,25 +135,11 @@ class ProducerSide:
                 # Not a loop wake-up's delay: the notification waited for this request.
                 self._count_notice(pending, early._replace(seen_at=0.0))
             else:
-                self._apply_early_release(pending, early)
+                self.apply_early_release(pending, early)
 
-    def _apply_withdrawn(self, pending: ProducerRequest) -> None:
-        """Free an unmatched push submission whose consumer released its registration before it came."""
-        if not len(self._withdrawn):
-            return
-        now = time.monotonic()
-        found = [
-            notice
-            for key in _withdrawal_keys(pending.engine_id, pending.transfer_id, pending.request_id)
-            for notice in self._withdrawn.take(key, now)
-            if isinstance(notice, ReleaseNotice)
-        ]
-        if found:
-            self._apply_early_release(pending, found[0])
-
-    def _apply_early_release(self, pending: ProducerRequest, early: ReleaseNotice) -> None:
+    def apply_early_release(self, pending: ProducerRequest, early: ReleaseNotice) -> None:
         try:
-            self._authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
+            authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
         except PermissionDenied:
             return  # logged; the engine's SubmitBlocks must not fail for a stranger's call
         self._release_by_consumer(pending, early.consumed, f"{early.reason} (before its SubmitBlocks came)")
@@ -322,7 +225,7 @@ class ProducerSide:
             pending = self._releasable((engine_id, match.entry.request_id), now)
             if pending is not None:
                 reason = "superseded by the conversation's next turn"
-                self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
+                self.finish(pending, engine_pb2.FINISHED_SENDING, reason=reason, hold_end="superseded")
 
     def _make_room(self, engine: Engine, wanted: int) -> int:
         """Release the engine's oldest holds until ``wanted`` more blocks fit in its share;
@@ -347,7 +250,7 @@ class ProducerSide:
                 continue
             log.info("hold_released_for_room", engine_id=engine.engine_id, request_id=pending.request_id, cap=cap)
             reason = f"hold cap ({share:g} of the engine's blocks): released for a newer hold"
-            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="cap")
+            self.finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="cap")
             released += 1
         if index.blocks_of_engine(engine.engine_id) + wanted > cap:
             raise ResourceExhausted(
@@ -360,202 +263,20 @@ class ProducerSide:
         pending = self._find(engine_id, request_id, transfer_id)
         if pending is None:
             # A consumer may already wait for this request's push (both legs dispatched at once, and
-            # the prefill failed): withdraw its registration and tell it now, not at its watchdog.
-            registration = self.matcher.registration_matching(Submission(engine_id, request_id, transfer_id))
-            if registration is None:
-                self._keep_released(engine_id, transfer_id, request_id, reason)
-                return False
-            self.matcher.remove_registration(registration.key)
-            self._registration_deadlines.cancel(registration.key)
-            self._update_gauges()
-            request = registration.order.request
-            self._ctx.tasks.spawn(
-                self._send_transfer_failed(request.caller.address, request, f"the producer released it: {reason}"),
-                engines=[],
-            )
-            return True
+            # the prefill failed): it learns now, not at its watchdog.
+            return self.push.engine_released_unknown(engine_id, request_id, transfer_id, reason)
         if pending.writing:
-            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
+            pending.end_after_writes(engine_pb2.FINISHED_SENDING, f"released: {reason}")
             return True
         if pending.accepts_push:
-            self._keep_released(engine_id, pending.transfer_id, pending.request_id, reason)
+            self.push.keep_released(engine_id, pending.transfer_id, pending.request_id, reason)
         self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, f"released: {reason}")
         return True
 
-    def _keep_released(self, engine_id: str, transfer_id: str, request_id: str, reason: str) -> None:
-        notice = ReleaseNotice(False, reason, "")
-        for key in _withdrawal_keys(engine_id, transfer_id, request_id):
-            for engine, token in self._released.keep(key, notice, time.monotonic()):
-                log.debug("released_push_request_forgotten", engine_id=engine, token=token)
-
-    def _refuse_if_released(self, registration: Registration[PushOrder], now: float) -> None:
-        """A consumer registers for a request its producer engine already released."""
-        if not len(self._released):
-            return
-        ids = (registration.engine_id, registration.transfer_id, registration.prefill_request_id)
-        for key in _withdrawal_keys(*ids):
-            released = [notice for notice in self._released.peek(key, now) if isinstance(notice, ReleaseNotice)]
-            if released:
-                kind, value = key[1].split(":", 1)
-                named = "transfer id" if kind == "tid" else "request id"
-                raise FailedPrecondition(
-                    f"producer engine {registration.engine_id} released the request ({named} {value!r}) "
-                    f"before this push registration came: {released[0].reason}"
-                )
-
     # --- PeerService --------------------------------------------------------------------------
-
-    def _authorize(
-        self, holder: ProducerRequest | Registration[PushOrder], identity: str, action: str, what: str
-    ) -> None:
-        """With mTLS, only the peer that is a party to a transfer may act on it (``sidecar.tls``).
-        The first authenticated peer to act on a pull claims it; a push is its registration's."""
-        if not identity:
-            return
-        current = holder.peer_identity if isinstance(holder, ProducerRequest) else holder.identity
-        if not current:
-            if isinstance(holder, ProducerRequest):
-                holder.peer_identity = identity
-            return
-        if current != identity:
-            log.warning("peer_refused", action=action, request=what, peer_identity=identity, party=current)
-            raise PermissionDenied(
-                f"{action}: {what} belongs to the peer with certificate {current!r}, not {identity!r}"
-            )
 
     # ``identity`` (the PeerService handlers below): the caller's certificate names with mTLS, ""
     # without (a plaintext port, the local Unix socket, or this sidecar calling itself).
-
-    def _writes_until(self, request: peer_pb2.PushRegRequest, timeout: float, arrival: float) -> float:
-        """When (monotonic) the WRITEs of a registration must be posted by (``PushOrder``): its
-        timeout from the arrival, which the consumer measures from its receipt of our answer, which
-        is later; and the consumer's own ``write_by`` less the clock allowance, which holds for a
-        PushReg that waited (our process stopped) before we got to it. Refuses one already over."""
-        writes_until = arrival + timeout
-        if request.write_by_unix_ms:
-            skew = self._ctx.settings.voucher_clock_skew_seconds
-            remaining = request.write_by_unix_ms / 1000.0 - time.time() - skew
-            if remaining <= 0:
-                raise FailedPrecondition(
-                    f"write_by_unix_ms: push registration {request.decode_engine_id}/{request.request_id} was "
-                    f"handled {-remaining:.3f} s after its time less the clock allowance "
-                    f"(voucher_clock_skew_seconds = {skew:g}) was over; the consumer has given up on it, its "
-                    f"timeout ({timeout:g} s) is too short, or this node's clock is ahead of the consumer's"
-                )
-            writes_until = min(writes_until, arrival + remaining)
-        return writes_until
-
-    def _writes_end_within(self, writes_until: float, arrival: float) -> float:
-        """The promise in a PushReg answer: the last WRITE is posted by ``writes_until`` and ends
-        (or is failed) within ``transfer_timeout_seconds`` of its post."""
-        return max(0.0, writes_until - arrival) + self._ctx.settings.transfer_timeout_seconds
-
-    async def handle_push_reg(self, request: peer_pb2.PushRegRequest, identity: str = "") -> peer_pb2.PushRegResponse:
-        ctx = self._ctx
-        validation.identifier(request.prefill_engine_id, "prefill_engine_id")
-        validation.identifier(request.decode_engine_id, "decode_engine_id")
-        validation.identifier(request.request_id, "request_id")
-        validation.identifier(request.transfer_id, "transfer_id", required=False)
-        validation.identifier(request.prefill_request_id, "prefill_request_id", required=False)
-        blocks = validation.block_ids(request.block_ids, "block_ids", ctx.settings.max_blocks_per_request)
-        validation.address(request.caller.address, "caller.address")
-        timeout = validation.duration(
-            request.timeout_seconds, "timeout_seconds", ctx.settings.push_registration_timeout_seconds
-        )
-        arrival = time.monotonic()
-        writes_until = self._writes_until(request, timeout, arrival)
-        await await_engine(ctx, request.prefill_engine_id)  # the consumer may be earlier than our engine
-        if time.monotonic() >= writes_until:
-            raise FailedPrecondition(
-                f"push registration {request.decode_engine_id}/{request.request_id}: its time to post WRITEs "
-                "was over while it waited for the prefill engine to register"
-            )
-        engine = ctx.registry.engines.get(request.prefill_engine_id)
-        if engine is None:
-            raise NotFound(f"prefill_engine_id: engine {request.prefill_engine_id!r} is not served by this sidecar")
-        # A restarted consumer sidecar or a re-registered consumer engine invalidates what we cached
-        # about it: handshake again rather than write into agents that no longer exist.
-        await ctx.peers.note_caller(request.caller)
-        cached = ctx.peers.cached_generation(request.caller.address, request.decode_engine_id)
-        if cached is not None and request.decode_generation and cached != request.decode_generation:
-            await ctx.peers.forget_engine(request.caller.address, request.decode_engine_id, "engine re-registered")
-        ctx.registry.require_engine(request.prefill_engine_id, "prefill_engine_id", PRODUCER_ROLES)
-        check_compatibility(
-            engine, request.compatibility_hash, f"decode engine {request.decode_engine_id}", ctx.metrics
-        )
-        # The consumer's geometry, if we already know it: ids past its blocks would be written into
-        # whatever lies behind them. (Unknown yet: checked after the handshake, before any WRITE.)
-        known = ctx.peers.cached_view(request.caller.address, request.decode_engine_id)
-        problem = known.block_ids_problem(blocks) if known is not None else None
-        if problem:
-            raise InvalidArgument("block_ids", problem)
-        reg_key = (request.decode_engine_id, request.request_id)
-        what = f"push registration {request.decode_engine_id}/{request.request_id}"
-        existing = self.matcher.find_registration(reg_key)
-        if existing is not None:
-            self._authorize(existing, identity, "PushReg", what)
-        elif reg_key in self._pushing and self._pushing[reg_key] in self.requests:
-            self._authorize(self.requests[self._pushing[reg_key]], identity, "PushReg", what)
-        if reg_key in self._pushing or existing is not None:
-            # A repeated registration: the first one is already matched or waiting, and its
-            # deadline is the one the WRITEs keep.
-            if existing is not None:
-                first = existing.order.writes_until
-            else:
-                writing = self.requests.get(self._pushing[reg_key])
-                first = writing.writes_until if writing is not None else writes_until
-            return peer_pb2.PushRegResponse(
-                sidecar_id=ctx.identity.sidecar_id,
-                matched=reg_key in self._pushing,
-                writes_end_within_seconds=self._writes_end_within(first, arrival),
-            )
-        registration = Registration(
-            engine_id=request.prefill_engine_id,
-            decode_engine_id=request.decode_engine_id,
-            request_id=request.request_id,
-            transfer_id=request.transfer_id,
-            prefill_request_id=request.prefill_request_id,
-            order=PushOrder(request, blocks, writes_until),
-            identity=identity,
-        )
-        if len(self._withdrawn):
-            # A consumer registers again (a router that retried the decode leg): live again.
-            ids = (registration.engine_id, registration.transfer_id, registration.prefill_request_id)
-            for key in _withdrawal_keys(*ids):
-                self._withdrawn.take(key, arrival)
-        if self.matcher.submission_matching(registration) is None:
-            self._refuse_if_released(registration, arrival)
-            # It would wait: refused while draining for shutdown, or at capacity. One for blocks
-            # we already hold is served even while draining, so the consumer need not recompute.
-            ctx.tasks.check_capacity(self.matcher.pending_registrations)
-        submission = self.matcher.add_registration(registration)
-        if submission is None:
-            ctx.trace.event(
-                "push_registration",
-                request.prefill_engine_id,
-                request.request_id,
-                "registered",
-                f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
-                "waiting for SubmitBlocks",
-                transfer_id=request.transfer_id,
-                ids=(request.prefill_request_id,),
-                peer=request.caller.address,
-            )
-            self._registration_deadlines.set(reg_key, writes_until)
-            self._update_gauges()
-            return peer_pb2.PushRegResponse(
-                sidecar_id=ctx.identity.sidecar_id,
-                matched=False,
-                writes_end_within_seconds=self._writes_end_within(writes_until, arrival),
-            )
-        pending = self.requests[submission.key]
-        self._start_push(pending, registration)
-        self._update_gauges()
-        return peer_pb2.PushRegResponse(
-            sidecar_id=ctx.identity.sidecar_id,
-            matched=True,
-            writes_end_within_seconds=self._writes_end_within(writes_until, arrival),
-        )
 
     async def handle_get_digests(self, request: peer_pb2.GetDigestsRequest) -> peer_pb2.GetDigestsResponse:
         """Integrity, pull: digests of a held request's span, hashed from the engine's memory in a
@@ -573,10 +294,10 @@ class ProducerSide:
         problem = check_span(span, len(single_group(pending.block_ids, "the request")) * layout.block_size)
         if problem:
             raise InvalidArgument("span", problem)
-        values = await self._digest(pending, engine, span)
+        values = await self.digest(pending, engine, span)
         return peer_pb2.GetDigestsResponse(sidecar_id=ctx.identity.sidecar_id, digests=span.to_proto(values))
 
-    async def _digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
+    async def digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
         if any(worker.mem_type != "DRAM" for worker in engine.ordered_workers()):
             # Hashing reads the KV from the CPU: a device pointer read here would crash this sidecar.
             raise FailedPrecondition(
@@ -606,7 +327,7 @@ class ProducerSide:
             )
             pending = self._find(request.engine_id, key.request_id, key.transfer_id)
             if pending is not None and pending.closing is None:
-                self._authorize(pending, identity, "Heartbeat", f"request {request.engine_id}/{pending.request_id}")
+                authorize(pending, identity, "Heartbeat", f"request {request.engine_id}/{pending.request_id}")
                 ctx.trace.event(
                     "producer",
                     pending.engine_id,
@@ -635,10 +356,8 @@ class ProducerSide:
             if pending is not None:
                 unknown.append(key)  # released: no new READ may start
                 continue
-            if self.matcher.find_registration_for(request.engine_id, key.transfer_id, key.consumer_request_id):
-                continue  # a push registration still waiting for its blocks
-            if any(active[1] == key.consumer_request_id for active in self._pushing):
-                continue
+            if self.push.waits_for(request.engine_id, key.transfer_id, key.consumer_request_id):
+                continue  # a push registration still waiting for its blocks, or being written
             unknown.append(key)
         engine = ctx.registry.engines.get(request.engine_id)
         return peer_pb2.HeartbeatResponse(
@@ -665,43 +384,28 @@ class ProducerSide:
                 peer=request.caller_sidecar_id,
                 reason=request.reason,
             )
-        # A push registration still waiting for its blocks: drop it.
-        registration = self.matcher.find_registration_for(
-            request.engine_id, request.transfer_id, request.consumer_request_id
-        )
-        if registration is not None:
-            self._authorize(registration, identity, "Release", f"push registration {'/'.join(registration.key)}")
-            self.matcher.remove_registration(registration.key)
-            self._registration_deadlines.cancel(registration.key)
-            notice = ReleaseNotice(request.consumed, request.reason, identity)
-            # A registration matched on base ids alone is not kept: a retried request shares them.
-            keys = _withdrawal_keys(registration.engine_id, registration.transfer_id, registration.prefill_request_id)
-            for key in keys[:1]:
-                for engine_id, token in self._withdrawn.keep(key, notice, time.monotonic()):
-                    log.debug("withdrawn_push_registration_forgotten", engine_id=engine_id, token=token)
-            self._update_gauges()
+        if self.push.consumer_withdrew(request, identity):  # a push registration still waiting for its blocks
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True)
         pending = self._find(request.engine_id, request.request_id, request.transfer_id)
         if pending is None:
-            for consumer_key, producer_key in self._pushing.items():
-                if consumer_key[1] == request.consumer_request_id:
-                    pending = self.requests.get(producer_key)
+            writing = self.push.writing_for(request.consumer_request_id)
+            pending = self.requests.get(writing) if writing is not None else None
         if pending is None:
             if request.request_id:  # a vouched pull that failed early: its SubmitBlocks may be on the way
                 notice = ReleaseNotice(request.consumed, request.reason, identity)
                 self._keep_early((request.engine_id, request.request_id), notice)
             return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=False)
-        self._authorize(pending, identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
+        authorize(pending, identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
         in_flight = self._release_by_consumer(pending, request.consumed, request.reason)
         return peer_pb2.PeerReleaseResponse(sidecar_id=ctx.identity.sidecar_id, found=True, in_flight=in_flight)
 
     def _release_by_consumer(self, pending: ProducerRequest, consumed: bool, reason: str) -> bool:
         """The consumer is done with ``pending``: free it, or after its WRITEs (True)."""
         if pending.writing:
-            self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, f"released by consumer: {reason}")
+            pending.end_after_writes(engine_pb2.FINISHED_SENDING, f"released by consumer: {reason}")
             return True
         verb = "consumed" if consumed else "released"
-        self._finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {reason}")
+        self.finish(pending, engine_pb2.FINISHED_SENDING, reason=f"{verb} by consumer: {reason}")
         return False
 
     # --- notifications ------------------------------------------------------------------------
@@ -745,139 +449,7 @@ class ProducerSide:
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             kind, reason = pending.closing or (engine_pb2.FINISHED_SENDING, "")
-            self._finish(pending, kind, reason=reason, hold_end="read")
-
-    # --- push ---------------------------------------------------------------------------------
-
-    def _start_push(self, pending: ProducerRequest, registration: Registration[PushOrder]) -> None:
-        request, blocks, writes_until = registration.order
-        self._registration_deadlines.cancel(registration.key)
-        pending.peer_identity = registration.identity or pending.peer_identity
-        pending.writing = True
-        pending.writes_until = writes_until
-        trace = self._ctx.trace
-        trace.event(
-            "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
-        )
-        trace.event(
-            "producer",
-            pending.engine_id,
-            pending.request_id,
-            "matched",
-            f"PushReg from {request.decode_engine_id}/{request.request_id} at {request.caller.address}: "
-            f"{_count(blocks)} blocks",
-            mode="push",
-            ids=(request.request_id, request.transfer_id),
-            peer=request.caller.address,
-        )
-        self._pushing[registration.key] = pending.key
-        self._ctx.tasks.spawn(self._push(pending, registration, request, blocks), engines=[pending.engine_id])
-
-    async def _push(
-        self,
-        pending: ProducerRequest,
-        registration: Registration[PushOrder],
-        request: peer_pb2.PushRegRequest,
-        blocks: BlockIds,
-    ) -> None:
-        ctx = self._ctx
-        started = time.monotonic()
-        address = request.caller.address
-        error = ""
-        try:
-            engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
-            view = await ctx.trace.timed(
-                "producer",
-                pending.engine_id,
-                pending.request_id,
-                "handshake",
-                f"{address} {request.decode_engine_id}",
-                ctx.peers.engine(address, request.decode_engine_id, engine.compatibility_hash),
-            )
-            local = engine.local_workers()
-            ctx.dataplane.check(
-                local, engine.tp_size, view, (f"on producer {engine.engine_id}", f"on consumer {view.engine_id}")
-            )
-            problem = view.block_ids_problem(blocks)
-            if problem:
-                raise InvalidArgument("block_ids", f"{problem} (engine {view.engine_id} of {address})")
-            if not any(blocks):
-                # The consumer had every block already (a full prefix hit): nothing to write.
-                self._pushing.pop(registration.key, None)
-                pending.writing = False
-                self._finish(pending, engine_pb2.FINISHED_SENDING, reason="the consumer needed no blocks")
-                return
-            # Past the lease our engine may reuse the blocks; past the registration's deadline the
-            # consumer may have handed its own back (see PushOrder).
-            lease_end = self.leases.deadline(pending.key)
-            not_after = pending.writes_until if lease_end is None else min(lease_end, pending.writes_until)
-            signed = None
-            if request.want_digests:
-                span = ctx.dataplane.digest_span(
-                    "WRITE", local, engine.tp_size, view, pending.block_ids, blocks, pending.num_tokens
-                )
-                signed = span.to_proto(await self._digest(pending, engine, span))
-            outcome = await ctx.dataplane.run(
-                TransferJob(
-                    op="WRITE",
-                    initiator=local,
-                    initiator_tp=engine.tp_size,
-                    target=view,
-                    initiator_blocks=pending.block_ids,
-                    target_blocks=blocks,
-                    target_request_id=request.request_id,
-                    transfer_id=request.transfer_id or pending.transfer_id,
-                    timeout=ctx.settings.transfer_timeout_seconds,
-                    not_after=not_after,
-                    num_tokens=pending.num_tokens,
-                    digests=signed,
-                    on_step=ctx.trace.hook("producer", pending.engine_id, pending.request_id),
-                )
-            )
-            pending.bytes_moved = outcome.bytes
-            if not outcome.ok:
-                error = outcome.error
-                if outcome.peer_gone:
-                    await ctx.peers.forget(address, "transfer to it failed")
-        except (SidecarError, PlanError) as exc:
-            error = str(exc)
-        self._pushing.pop(registration.key, None)
-        pending.writing = False
-        if error:
-            ctx.metrics.failures.labels(reason="push_write").inc()
-            log.warning(
-                "push_failed",
-                engine_id=pending.engine_id,
-                request_id=pending.request_id,
-                consumer=request.decode_engine_id,
-                consumer_request_id=request.request_id,
-                error=error,
-            )
-            await self._send_transfer_failed(address, request, error)
-        else:
-            ctx.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
-        kind: int = engine_pb2.FINISHED_SENDING
-        reason = error
-        if pending.end is not None:
-            # The lease ended, or the consumer or engine let go, while the WRITEs ran: say that,
-            # with the WRITE's outcome, rather than call every early end an expiry.
-            kind, why = pending.end
-            reason = f"{why}; write failed: {error}" if error else why
-        self._finish(pending, kind, reason=reason)
-
-    async def _send_transfer_failed(self, address: str, request: peer_pb2.PushRegRequest, reason: str) -> None:
-        notice = peer_pb2.TransferFailedRequest(
-            caller_sidecar_id=self._ctx.identity.sidecar_id,
-            engine_id=request.decode_engine_id,
-            request_id=request.request_id,
-            transfer_id=request.transfer_id,
-            reason=reason,
-        )
-        try:
-            await self._ctx.peers.transfer_failed(address, notice)
-        except SidecarError as exc:
-            # The consumer's heartbeat or watchdog still ends its wait.
-            log.warning("transfer_failed_notice_undelivered", peer=address, error=str(exc))
+            self.finish(pending, kind, reason=reason, hold_end="read")
 
     # --- leases and cleanup ---------------------------------------------------------------------
 
@@ -888,12 +460,10 @@ class ProducerSide:
                 continue
             what = "hold TTL" if pending.held else "lease"
             if pending.writing:
-                self._end_after_writes(
-                    pending, engine_pb2.LEASE_EXPIRED, f"{what} of {pending.lease_seconds:g}s expired"
-                )
+                pending.end_after_writes(engine_pb2.LEASE_EXPIRED, f"{what} of {pending.lease_seconds:g}s expired")
                 continue
             if pending.closing is not None:
-                self._finish(pending, *pending.closing)
+                self.finish(pending, *pending.closing)
                 continue
             if pending.held and pending.readable_until > time.monotonic():
                 self._finish_when_unread(pending, engine_pb2.LEASE_EXPIRED, f"{what} expired")
@@ -907,13 +477,7 @@ class ProducerSide:
                 what=what,
             )
             reason = f"{what} of {pending.lease_seconds:g}s expired"
-            self._finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="ttl")
-
-    def _on_registrations_expired(self, keys: list[tuple[str, str]]) -> None:
-        for key in keys:
-            if self.matcher.remove_registration(key) is not None:
-                log.warning("push_registration_expired", consumer_engine_id=key[0], consumer_request_id=key[1])
-        self._update_gauges()
+            self.finish(pending, engine_pb2.LEASE_EXPIRED, reason=reason, hold_end="ttl")
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         for pending in [p for p in self.requests.values() if p.engine_id == engine_id]:
@@ -923,22 +487,13 @@ class ProducerSide:
                 # engine that lives on must not get the blocks back before that READ's bound.
                 self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, reason, hold_end="engine_gone")
             else:
-                self._end_after_writes(pending, engine_pb2.FINISHED_SENDING, reason)
-        for registration in self.matcher.registrations():
-            if registration.engine_id == engine_id:
-                self.matcher.remove_registration(registration.key)
-                self._registration_deadlines.cancel(registration.key)
-        self._update_gauges()
+                pending.end_after_writes(engine_pb2.FINISHED_SENDING, reason)
+        self.push.drop_engine(engine_id)
+        self.push.update_gauges()
 
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):
-            self._finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
-
-    def _end_after_writes(self, pending: ProducerRequest, kind: int, reason: str) -> None:
-        """Free a request being pushed once its WRITEs are terminal, with this event; the first
-        reason given wins."""
-        if pending.end is None:
-            pending.end = (kind, reason)
+            self.finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
 
     def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str, hold_end: str = "released") -> None:
         """Free now (``hold_end`` as in ``_finish``), or, if a consumer may still READ the blocks,
@@ -953,7 +508,7 @@ class ProducerSide:
                 seconds=round(pending.readable_until - time.monotonic(), 3),
             )
             return
-        self._finish(pending, kind, reason=reason, hold_end=hold_end)
+        self.finish(pending, kind, reason=reason, hold_end=hold_end)
 
     def awaiting_consumers(self) -> int:
         """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
@@ -968,7 +523,7 @@ class ProducerSide:
             self._ctx.transport.expect_notifications(1)
         self._ctx.metrics.leases.set(len(self.leases))
 
-    def _finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
+    def finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
         """End a request: its engine gets FINISHED_SENDING / LEASE_EXPIRED. ``hold_end`` labels why
         a held request ended (metrics: read, ttl, cap, superseded, released, engine_gone)."""
         if self.requests.pop(pending.key, None) is None:
@@ -976,13 +531,13 @@ class ProducerSide:
         if pending.transfer_id:
             self._by_transfer.pop((pending.engine_id, pending.transfer_id), None)
         self.leases.cancel(pending.key)
-        self.matcher.remove_submission(pending.engine_id, pending.request_id)
+        self.push.forget(pending)
         if pending.accepts_pull:
             self._ctx.transport.expect_notifications(-1)
         if pending.held:
             self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))
-        self._update_gauges()
+        self.push.update_gauges()
         # The engine's event first: recording the end also derives the request's stages.
         self._ctx.events.emit(
             pending.engine_id,
@@ -1019,11 +574,6 @@ class ProducerSide:
         if problem:
             raise InvalidArgument(field_name, problem)
 
-    def _update_gauges(self) -> None:
-        metrics = self._ctx.metrics
-        metrics.pending_push_registrations.set(self.matcher.pending_registrations)
-        metrics.unmatched_submissions.set(self.matcher.unmatched_submissions)
-
     def status_rows(self) -> list[engine_pb2.RequestStatus]:
         rows = []
         for pending in self.requests.values():
@@ -1042,15 +592,3 @@ class ProducerSide:
                 )
             )
         return rows
-
-
-def _count(blocks: BlockIds) -> int:
-    return sum(len(group) for group in blocks)
-
-
-def _withdrawal_keys(engine_id: str, transfer_id: str, producer_request_id: str) -> list[tuple[str, str]]:
-    """Where a withdrawn push registration is kept, strongest match first (as ``core.matching``)."""
-    keys = [(engine_id, "tid:" + transfer_id)] if transfer_id else []
-    if producer_request_id:
-        keys.append((engine_id, "rid:" + producer_request_id))
-    return keys
