@@ -22,6 +22,8 @@ warmed up, measured and stopped, all in ONE invocation:
   with ``engine_busy_loop=-1``, i.e. the engines' shm queues spin for 1 s as vLLM ships them;
 - ``kvsidecar-push-weighted`` / ``kvsidecar-pull-weighted`` (A/B): the sidecars weighted as the
   systemd unit weights them (``CPUWeight=1000``), emulated with their autogroup's nice value (-10);
+- ``kvsidecar-push-switch`` / ``kvsidecar-pull-switch`` (A/B): the sidecars with a 0.5 ms GIL switch
+  interval (``bench/switch_interval/sitecustomize.py``);
 - ``nixl-pull-fixed-busy-loop`` / ``nixl-push-fixed-busy-loop`` (diagnostic, not a fix of vLLM's
   connectors): vLLM's connectors with the CPU fixes *and* the engine busy-loop cap that kvsidecar's
   shim applies (``KVBENCH_ENGINE_BUSY_LOOP`` in ``bench/cpu_fixes_sitecustomize.py``), to tell how
@@ -113,6 +115,7 @@ BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_MODEL_LEN = 8192 + 256
 FIXES_SOURCE = REPO / "bench" / "cpu_fixes_sitecustomize.py"
 GRPC_SPIN_SOURCE = REPO / "bench" / "grpc_spin_sitecustomize.py"
+SWITCH_INTERVAL_DIR = REPO / "bench" / "switch_interval"  # its sitecustomize.py (A/B of the sidecars)
 FIX_MARKERS: tuple[str, ...] = ("progress thread delay", "skipped NIXL worker's os.sched_setaffinity")
 GRPC_SPIN_MARKER = "kvbench-grpc-spin: patched"
 BUSY_LOOP_MARKER = "engine busy loop capped"
@@ -220,6 +223,11 @@ CONFIGS: dict[str, Config] = {
             "sidecar",
             "pull",
             sidecar_env=(("KVSIDECAR_VOUCHER_SECONDS", "0"),),
+        ),
+        *_kvsidecar_ab(
+            "switch",
+            "sidecars with a 0.5 ms GIL switch interval (bench/switch_interval/sitecustomize.py)",
+            sidecar_env=(("PYTHONPATH", os.pathsep.join((str(SWITCH_INTERVAL_DIR), str(REPO)))),),
         ),
         *_kvsidecar_ab(
             "weighted",
