@@ -138,6 +138,7 @@ class ProducerSide:
                 self.apply_early_release(pending, early)
 
     def apply_early_release(self, pending: ProducerRequest, early: ReleaseNotice) -> None:
+        """A consumer released ``pending`` before it came here: free it now, if that consumer may."""
         try:
             authorize(pending, early.identity, "Release", f"request {pending.engine_id}/{pending.request_id}")
         except PermissionDenied:
@@ -298,6 +299,7 @@ class ProducerSide:
         return peer_pb2.GetDigestsResponse(sidecar_id=ctx.identity.sidecar_id, digests=span.to_proto(values))
 
     async def digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
+        """Integrity: the digests of ``span`` of the request's blocks, hashed in a worker thread."""
         if any(worker.mem_type != "DRAM" for worker in engine.ordered_workers()):
             # Hashing reads the KV from the CPU: a device pointer read here would crash this sidecar.
             raise FailedPrecondition(
