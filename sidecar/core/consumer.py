@@ -527,11 +527,9 @@ class ConsumerSide:
                     # Not confirmed yet (a voucher that does not verify against this view), or the
                     # handshake took most of the window.
                     await self._confirm_held(pending)
-                    if self.requests.get(pending.key) is not pending:
-                        return  # a heartbeat round failed it meanwhile
                 if self.requests.get(pending.key) is not pending:
-                    # Released (or failed) during the handshake or a check: the engine has its
-                    # blocks back and the producer was told; no READ may start into them now.
+                    # Released, or failed by a heartbeat round, during the handshake or a check:
+                    # the engine has its blocks back and the producer was told; no READ may start.
                     return
                 ctx.metrics.pull_reads.labels(checked_by="voucher" if vouched_until else "producer").inc()
                 # The READ must end while the producer still holds the blocks for certain.

@@ -7,7 +7,7 @@ arrive, or give up and release the request, before this sidecar has the request.
 (``producer_unknown_grace_seconds``) and for at most ``capacity`` requests, and applied in order
 when the request comes; otherwise the engine would get its blocks back only at the lease's end.
 The producer keeps two more kinds of releases here, by transfer id or request id, for a push
-(``ProducerSide``): a consumer's that withdrew its registration before the blocks came (applied
+(``core.push``): a consumer's that withdrew its registration before the blocks came (applied
 at SubmitBlocks), and its own engine's that came before any consumer registered (shown, with
 ``peek``, to each PushReg that comes for it, which is refused).
 Pure bookkeeping, no I/O; the producer calls it on the event loop thread.
@@ -35,7 +35,7 @@ class ReleaseNotice(NamedTuple):
 
     consumed: bool
     reason: str
-    identity: str  # the caller's certificate names with mTLS, "" without (``ProducerSide._authorize``)
+    identity: str  # the caller's certificate names with mTLS, "" without (``producer_request.authorize``)
 
 
 EarlyNotice = ReadNotice | ReleaseNotice
@@ -63,8 +63,9 @@ class EarlyNotices(Generic[Key]):
         """The notices kept for ``key`` in their order (none if they are too old), forgetting them."""
         if not self._kept:
             return []
-        kept_at, notices = self._kept.pop(key, (now, []))
-        return notices if now - kept_at <= self._max_age else []
+        notices = self.peek(key, now)
+        self._kept.pop(key, None)
+        return notices
 
     def peek(self, key: Key, now: float) -> list[EarlyNotice]:
         """The notices kept for ``key`` (none if they are too old), left in place."""

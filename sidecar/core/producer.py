@@ -491,14 +491,13 @@ class ProducerSide:
             else:
                 pending.end_after_writes(engine_pb2.FINISHED_SENDING, reason)
         self.push.drop_engine(engine_id)
-        self.push.update_gauges()
 
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):
             self.finish(pending, engine_pb2.FINISHED_SENDING, reason=reason)
 
     def _finish_when_unread(self, pending: ProducerRequest, kind: int, reason: str, hold_end: str = "released") -> None:
-        """Free now (``hold_end`` as in ``_finish``), or, if a consumer may still READ the blocks,
+        """Free now (``hold_end`` as in ``finish``), or, if a consumer may still READ the blocks,
         once it notified or its READ bound (``readable_until``) passed. See the module docstring."""
         if pending.accepts_pull and pending.readable_until > time.monotonic():
             pending.closing = (kind, reason)

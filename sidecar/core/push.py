@@ -152,6 +152,7 @@ class PushWriter:
             if registration.engine_id == engine_id:
                 self.matcher.remove_registration(registration.key)
                 self._registration_deadlines.cancel(registration.key)
+        self.update_gauges()
 
     def update_gauges(self) -> None:
         metrics = self._ctx.metrics
