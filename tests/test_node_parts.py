@@ -10,6 +10,7 @@ The real-NIXL, multi-process versions of these flows are in test_pull.py and tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -729,5 +730,182 @@ def test_a_producer_posts_no_write_after_the_push_registration_timed_out(tmp_pat
             assert h.fabric.transfers and all(
                 spec.not_after is not None and spec.not_after <= time.monotonic() for spec in h.fabric.transfers
             )
+
+    run(scenario)
+
+
+def test_the_ranks_of_a_new_engine_registering_at_once_all_join_it(tmp_path: Path) -> None:
+    """vLLM's TP workers are processes of their own and register at the same moment: each rank
+    must join the one engine, not make its own (the last one added would replace the others and
+    leave the engine incomplete, refusing every request). Two calls for the same rank at once
+    (a worker's retry) leave one worker and one NIXL agent."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            buffers = [SharedBuffer(LAYOUT.total_bytes) for _ in range(2)]
+            try:
+                calls = [
+                    kv_registration("tp2-0", common_pb2.ENGINE_ROLE_PRODUCER, LAYOUT, [b.export()], rank, 2)
+                    for rank, b in enumerate(buffers)
+                ]
+                calls.append(calls[1])  # rank 1 twice, at once
+                agents_before = set(h.fabric.agents)
+                await asyncio.gather(*(h.node.registrations.register_worker(call) for call in calls))
+                engine = h.node.registry.engines["tp2-0"]
+                assert engine.complete, f"workers registered: {sorted(engine.workers)}"
+                assert sorted(engine.workers) == [(0, 0), (0, 1)]
+                # The duplicate's agent is dropped once made (a task of its own).
+                for _ in range(100):
+                    if len(set(h.fabric.agents) - agents_before) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                assert set(h.fabric.agents) - agents_before == {w.agent_name for w in engine.workers.values()}
+                await h.node.producer.submit(SidecarClient.submit_request("tp2-0", "req-tp2", [[1, 2]]))
+            finally:
+                for rank in (0, 1):
+                    with contextlib.suppress(NotFound):
+                        await h.node.registrations.unregister_worker(
+                            engine_pb2.UnregisterWorkerRequest(engine_id="tp2-0", tp_rank=rank, pp_rank=0)
+                        )
+                for buffer in buffers:
+                    buffer.close()
+
+    run(scenario)
+
+
+def test_a_consumer_engine_that_goes_lets_go_of_what_its_queued_requests_kept_alive(tmp_path: Path) -> None:
+    """Requests waiting in D's queue keep their producer's lease alive (KeepAlive, heartbeats).
+    When D's engine goes, no Pull will come: the producer gets its blocks back at once, not when
+    the keep-alive's timeout (minutes) ends, and nothing of the requests stays behind on D. A
+    keep-alive its engine released leaves nothing behind either."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            consumer = h.node.consumer
+            for name in ("req-q", "req-r"):
+                await h.node.producer.submit(SidecarClient.submit_request(P, name, [[1, 2]]))
+                keep = engine_pb2.KeepAliveRequest(
+                    engine_id=D, request_id=f"{name}-d", remote=remote(ADDRESS, P, name, [[1, 2]])
+                )
+                assert (await consumer.keep_alive(keep)).producer_holds
+            await consumer.heartbeat_once()
+            assert (D, "req-q-d") in consumer._confirmed and (D, "req-r-d") in consumer._verified
+
+            # The engine releases one while it waits (the shim's fetch-nothing path).
+            assert consumer.release(D, "req-r-d", "aborted while queued") is None
+            checks = (consumer._confirmed, consumer._readable, consumer._verified, consumer._first_unknown)
+            assert all((D, "req-r-d") not in table for table in checks), "a released keep-alive left its checks"
+
+            await h.node.registrations.unregister_worker(
+                engine_pb2.UnregisterWorkerRequest(engine_id=D, tp_rank=0, pp_rank=0)
+            )
+            sent = await h.next_event(P, timeout=2.0)
+            assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == "req-q", sent
+            assert "released by consumer" in sent.reason, sent.reason
+            assert (P, "req-q") not in h.node.producer.requests
+            assert not consumer.kept and not consumer._lost
+            assert all(key[0] != D for table in checks for key in table), "the gone engine's checks stayed"
+
+    run(scenario)
+
+
+def test_a_push_its_producer_forgot_after_writing_is_not_failed_before_its_notification(tmp_path: Path) -> None:
+    """A producer forgets a push the moment its WRITEs are done; the consumer learns they were
+    from the notification, which the NIXL owner thread hands over a little later. A heartbeat
+    answered in between ("unknown") must not fail a push whose bytes have landed: for a push,
+    "unknown" counts as lost only after producer_unknown_grace_seconds, as for one never seen."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, producer_unknown_grace_seconds=0.3) as h:
+            consumer = h.node.consumer
+            expect = SidecarClient.expect_push_request(D, "req-f-d", [[10, 11]], remote(ADDRESS, P, "req-f"))
+            await consumer.expect_push(expect)
+            await consumer.heartbeat_once()
+            assert (D, "req-f-d") in consumer._confirmed, "the waiting registration was not confirmed"
+            # As after its WRITEs ended: the producer no longer knows the request.
+            registration = h.node.producer.push.matcher.registrations()[0]
+            h.node.producer.push.matcher.remove_registration(registration.key)
+            await consumer.heartbeat_once()
+            worker = h.node.registry.worker(D, 0, 0)
+            assert worker is not None and worker.events.empty(), "failed before its notification could come"
+            assert (D, "req-f-d") in consumer.requests
+            # A push that is really gone still fails, once the grace is over.
+            await asyncio.sleep(0.35)
+            await consumer.heartbeat_once()
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED and "no longer holds the request" in failed.reason, failed
+
+    run(scenario)
+
+
+def test_a_push_that_crashes_still_ends_on_both_sides(tmp_path: Path) -> None:
+    """An error nothing expected inside the producer's push (a bug, a value no check caught) must
+    not leave the request "writing" for ever: P's engine gets its blocks back, D its LOAD_FAILED
+    with the error, and a Release from D is not told that WRITEs are in flight."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+
+            def broken(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("unexpected descriptor shape")
+
+            h.node.context.dataplane.check = broken  # type: ignore[method-assign]
+            expect = SidecarClient.expect_push_request(D, "req-c-d", [[10, 11]], remote(ADDRESS, P, "req-c"))
+            await h.node.consumer.expect_push(expect)
+            push = common_pb2.TRANSFER_MODE_PUSH
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-c", [[0, 1]], mode=push))
+            sent = await h.next_event(P)
+            assert sent.kind == engine_pb2.FINISHED_SENDING and "unexpected descriptor shape" in sent.reason, sent
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED and "unexpected descriptor shape" in failed.reason, failed
+            assert not h.node.producer.requests and not h.node.producer.push.writing_for("req-c-d")
+
+    run(scenario)
+
+
+def test_a_held_gpu_push_ends_within_a_writes_bound_after_a_busy_producer_stops_answering(tmp_path: Path) -> None:
+    """A producer that said a WRITE is in flight and then stopped answering (its host went away, or
+    it hangs): each WRITE ends within the transfer timeout, so the hold ends that long after its
+    last answer, not never (the engine would keep the blocks until it is gone)."""
+
+    async def scenario() -> None:
+        fast = {"heartbeat_interval_seconds": 0.05, "transfer_timeout_seconds": 0.2, "voucher_clock_skew_seconds": 0.1}
+        async with harness(tmp_path, **fast) as h:
+            _mark_gpu(h, True)
+            pending = await _push_given_up(h, "req-s-d", timeout=0.4)
+            answers = [True]
+
+            async def answer(*args: Any, **kwargs: Any) -> bool | None:
+                return answers.pop(0) if answers else None  # busy once, then silent
+
+            h.node.consumer._ask_producer = answer  # type: ignore[method-assign]
+            h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
+            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            failed = await h.next_event(D, timeout=5.0)
+            _mark_gpu(h, False)
+            assert not answers, "the producer was never asked"
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert "the producer's WRITEs were over by its promise" in failed.reason, failed.reason
+
+    run(scenario)
+
+
+def test_a_producer_engine_that_goes_fails_the_push_registrations_waiting_for_it(tmp_path: Path) -> None:
+    """D registered for a push from P's engine, which then goes (its worker unregisters, as when
+    vLLM exits): D's engine learns it at once, with the reason, not at a heartbeat's grace or at
+    the registration's watchdog."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            expect = SidecarClient.expect_push_request(D, "req-g-d", [[10, 11]], remote(ADDRESS, P, "req-g"))
+            await h.node.consumer.expect_push(expect)
+            assert h.node.producer.push.matcher.pending_registrations == 1
+            await h.node.registrations.unregister_worker(
+                engine_pb2.UnregisterWorkerRequest(engine_id=P, tp_rank=0, pp_rank=0)
+            )
+            failed = await h.next_event(D, timeout=1.5)
+            assert failed.kind == engine_pb2.LOAD_FAILED and "producer engine gone" in failed.reason, failed
+            assert h.node.producer.push.matcher.pending_registrations == 0
+            assert (D, "req-g-d") not in h.node.consumer.requests
 
     run(scenario)

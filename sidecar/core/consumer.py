@@ -166,17 +166,15 @@ class _Fence:
     are fenced (``token``), the engine already has its LOAD_FAILED, and the fence ends when the
     producer answers that nothing is in flight or is gone. GPU memory, which cannot be fenced:
     ``held`` is the LOAD_FAILED (reason, metric label) still owed, the engine keeps the blocks,
-    and it ends on the same answers or, at the latest, at ``held_until``
-    (``ConsumerRequest.writes_quiet_at``) unless the producer said a WRITE is still in flight."""
+    and it ends on the same answers or, at the latest, at ``held_until``: the producer's promise
+    (``ConsumerRequest.writes_quiet_at``), moved to a WRITE's bound (the transfer timeout) past
+    each answer of the producer that a WRITE is still in flight."""
 
     request: ConsumerRequest
     token: FenceToken
     held: tuple[str, str] | None = None
     held_until: float = 0.0
     checking: bool = False
-    # The producer answered that a WRITE is in flight: it is alive and its WRITE not over, so a
-    # hold waits for its next answer rather than for ``held_until``.
-    producer_busy: bool = False
 
 
 class ConsumerSide:
@@ -338,9 +336,11 @@ class ConsumerSide:
 
     def release(self, engine_id: str, request_id: str, reason: str) -> ConsumerRequest | None:
         """The local engine aborts a request that waits for KV."""
-        self._end_keep_alive((engine_id, request_id))
-        pending = self.requests.get((engine_id, request_id))
+        key = (engine_id, request_id)
+        self._end_keep_alive(key)
+        pending = self.requests.get(key)
         if pending is None:
+            self._forget_checks(key)  # a keep-alive's heartbeats may have filled them
             return None
         if pending.is_push and any(pending.local_blocks):
             # The producer's WRITEs may be in flight: the terminal event waits until they cannot land.
@@ -804,15 +804,18 @@ class ConsumerSide:
             fence.checking = False
         if in_flight is False:
             self._end_fence(fence, "the producer answered that no WRITE is in flight")
-        elif in_flight:
-            fence.producer_busy = True
+        elif in_flight and fence.held is not None:
+            # Alive, and a WRITE of it not over: each WRITE ends within the transfer timeout (the
+            # producer's bound as ours), so the hold waits that long from this answer, not for
+            # ever if the producer then stops answering.
+            fence.held_until = max(fence.held_until, time.monotonic() + self._ctx.settings.transfer_timeout_seconds)
 
     def _end_fences(self) -> None:
         """Called each heartbeat round: end the holds whose producer's WRITEs are surely over,
         check the other fences with their producer."""
         now = time.monotonic()
         for fence in list(self._fenced):
-            if fence.held is not None and now >= fence.held_until and not fence.producer_busy:
+            if fence.held is not None and now >= fence.held_until and not fence.checking:
                 log.warning(
                     "push_hold_ended_unanswered",
                     engine_id=fence.request.engine_id,
@@ -891,8 +894,13 @@ class ConsumerSide:
         A producer engine offers its blocks to the router before its SubmitBlocks reaches its
         sidecar (the call is asynchronous, and vLLM keeps the blocks meanwhile), so a consumer can
         ask about a request its producer's sidecar has not seen yet. Unknown means lost once the
-        producer knew it, or after ``producer_unknown_grace_seconds``."""
-        if key in self._confirmed:
+        producer knew it, or after ``producer_unknown_grace_seconds``.
+
+        Not at once for a push it knew: its producer forgets the request as soon as its WRITEs are
+        done, which may be before the notification that they were reached us (it waits on the NIXL
+        owner thread); the notification, or the grace, decides."""
+        pending = self.requests.get(key)
+        if key in self._confirmed and not (pending is not None and pending.is_push):
             return True
         first = self._first_unknown.setdefault(key, now)
         return now - first > self._ctx.settings.producer_unknown_grace_seconds
@@ -1085,13 +1093,13 @@ class ConsumerSide:
             return None
         return pending
 
-    async def _tell_producer(self, pending: ConsumerRequest, consumed: bool, reason: str) -> bool:
+    async def _tell_producer(self, pending: ConsumerRequest | KeptAlive, consumed: bool, reason: str) -> bool:
         """Tell the producer's sidecar it may free (or drop the registration). Returns True if
         transfers are still in flight there. Best effort: its lease frees the blocks otherwise."""
         return bool(await self._ask_producer(pending, consumed, reason))
 
     async def _ask_producer(
-        self, pending: ConsumerRequest, consumed: bool, reason: str, wait_for_ready: bool = True
+        self, pending: ConsumerRequest | KeptAlive, consumed: bool, reason: str, wait_for_ready: bool = True
     ) -> bool | None:
         """Release at the producer: whether transfers are still in flight there, None if it did not
         answer. Without ``wait_for_ready``, a refused connection (no process listening) is False;
@@ -1155,6 +1163,16 @@ class ConsumerSide:
             self._ctx.tasks.spawn(self._tell_producer(pending, consumed=False, reason=reason), engines=[])
             if not pending.transferring:
                 self._fail(pending, reason, reason_label="engine_gone")
+        # Requests that waited in the engine's queue: no Pull will come, so stop keeping their
+        # producers' leases alive (heartbeats would hold its blocks until the keep-alive's
+        # timeout, minutes) and let the producers free them now.
+        for kept in [k for k in self.kept.values() if k.engine_id == engine_id]:
+            key = (kept.engine_id, kept.request_id)
+            self._end_keep_alive(key)
+            self._forget_checks(key)
+            self._ctx.tasks.spawn(self._tell_producer(kept, consumed=False, reason=reason), engines=[])
+        for key in [key for key in self._lost if key[0] == engine_id]:
+            del self._lost[key]
 
     def fail_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):

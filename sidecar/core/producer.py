@@ -490,7 +490,7 @@ class ProducerSide:
                 self._finish_when_unread(pending, engine_pb2.FINISHED_SENDING, reason, hold_end="engine_gone")
             else:
                 pending.end_after_writes(engine_pb2.FINISHED_SENDING, reason)
-        self.push.drop_engine(engine_id)
+        self.push.drop_engine(engine_id, reason)
 
     def finish_all(self, reason: str) -> None:
         for pending in list(self.requests.values()):

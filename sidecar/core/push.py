@@ -147,11 +147,18 @@ class PushWriter:
         """``pending`` ended: it can match no registration any more."""
         self.matcher.remove_submission(pending.engine_id, pending.request_id)
 
-    def drop_engine(self, engine_id: str) -> None:
+    def drop_engine(self, engine_id: str, reason: str) -> None:
+        """The producer engine is gone: consumers waiting for its pushes learn it now (not at their
+        next heartbeat's grace, or their watchdog)."""
         for registration in self.matcher.registrations():
             if registration.engine_id == engine_id:
                 self.matcher.remove_registration(registration.key)
                 self._registration_deadlines.cancel(registration.key)
+                request = registration.order.request
+                self._ctx.tasks.spawn(
+                    self._send_transfer_failed(request.caller.address, request, f"producer engine gone: {reason}"),
+                    engines=[],
+                )
         self.update_gauges()
 
     def update_gauges(self) -> None:
@@ -423,6 +430,11 @@ class PushWriter:
                     await ctx.peers.forget(address, "transfer to it failed")
         except (SidecarError, PlanError) as exc:
             error = str(exc)
+        except Exception as exc:
+            # A bug, or a value nothing checked (a peer's descriptor, a digest's shape): the request
+            # must still end on both sides, not stay "writing" (its lease would never free it).
+            log.exception("push_crashed", engine_id=pending.engine_id, request_id=pending.request_id)
+            error = f"internal error: {type(exc).__name__}: {exc}"
         self._pushing.pop(registration.key, None)
         pending.writing = False
         if error:

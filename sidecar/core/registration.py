@@ -71,30 +71,7 @@ class Registrations:
             if existing.fingerprint == spec.fingerprint:
                 return self._registered(existing)
             await self.remove_worker(existing, "re-registered with new content")
-        engine = ctx.registry.engines.get(spec.engine_id)
-        if engine is not None:
-            mismatch = (
-                ("role", engine.role, spec.role),
-                ("tp_size", engine.tp_size, spec.tp_size),
-                ("pp_size", engine.pp_size, spec.pp_size),
-                ("compat_factors", engine.compatibility_hash, spec.compatibility_hash),
-            )
-            for name, theirs, mine in mismatch:
-                if theirs != mine:
-                    raise FailedPrecondition(
-                        f"{name}: engine {spec.engine_id!r} already has workers registered with a different {name}; "
-                        "unregister them first"
-                    )
-        else:
-            if len(ctx.registry.engines) >= ctx.settings.max_engines:
-                raise ResourceExhausted(
-                    f"engine_id: {len(ctx.registry.engines)} engines are registered, the limit is "
-                    f"max_engines={ctx.settings.max_engines}"
-                )
-            engine = Engine(
-                spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version,
-                owner_uid=uid,
-            )  # fmt: skip
+        self._engine_for(spec, uid)  # refuse a worker that cannot join before mapping anything
         started = time.monotonic()
         try:
             memories = await self._map_all(spec.exports, uid)
@@ -139,9 +116,23 @@ class Registrations:
             # Another uid's registration may have created the engine while this one mapped (the
             # servicer checked the caller against the engine as it was when the call came).
             ctx.registry.require_owner(spec.engine_id, uid, "RegisterWorker")
-        except PermissionDenied:
+            # Ranks of one engine register at once (each worker process its own): the engine is
+            # looked up again after the awaits, or each rank of a new engine would make its own and
+            # the last one added would replace the others.
+            engine = self._engine_for(spec, uid)
+            raced = ctx.registry.worker(spec.engine_id, spec.tp_rank, spec.pp_rank)
+            if raced is not None and raced.fingerprint != spec.fingerprint:
+                # A registration of this same rank, with other content, finished while this one mapped.
+                raise FailedPrecondition(
+                    f"engine {spec.engine_id!r} rank tp{spec.tp_rank}/pp{spec.pp_rank} was registered with "
+                    "other content by a concurrent call; unregister it first"
+                )
+        except (PermissionDenied, FailedPrecondition, ResourceExhausted):
             ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
             raise
+        if raced is not None:
+            ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
+            return self._registered(raced)
         worker = Worker(
             engine_id=spec.engine_id,
             tp_rank=spec.tp_rank,
@@ -203,6 +194,35 @@ class Registrations:
     def _release(self, memories: list[MappedMemory]) -> None:
         for memory in memories:
             self.memory.release(memory)
+
+    def _engine_for(self, spec: validation.WorkerSpec, uid: int | None) -> Engine:
+        """The engine a worker of ``spec`` joins: the registered one, whose shape it must share,
+        or a new one (not yet in the registry: ``registry.add`` puts it there)."""
+        ctx = self._ctx
+        engine = ctx.registry.engines.get(spec.engine_id)
+        if engine is None:
+            if len(ctx.registry.engines) >= ctx.settings.max_engines:
+                raise ResourceExhausted(
+                    f"engine_id: {len(ctx.registry.engines)} engines are registered, the limit is "
+                    f"max_engines={ctx.settings.max_engines}"
+                )
+            return Engine(
+                spec.engine_id, spec.role, spec.tp_size, spec.pp_size, spec.compatibility_hash, spec.engine_version,
+                owner_uid=uid,
+            )  # fmt: skip
+        mismatch = (
+            ("role", engine.role, spec.role),
+            ("tp_size", engine.tp_size, spec.tp_size),
+            ("pp_size", engine.pp_size, spec.pp_size),
+            ("compat_factors", engine.compatibility_hash, spec.compatibility_hash),
+        )
+        for name, theirs, mine in mismatch:
+            if theirs != mine:
+                raise FailedPrecondition(
+                    f"{name}: engine {spec.engine_id!r} already has workers registered with a different {name}; "
+                    "unregister them first"
+                )
+        return engine
 
     async def _undo_agent(self, creating: asyncio.Future[bytes], agent_name: str, memories: list[MappedMemory]) -> None:
         """A registration whose caller left while its agent was being created: drop the agent when
