@@ -65,6 +65,7 @@ from bench.vllm_pd import (  # noqa: E402
     cpu_seconds,
     interrupts_as_keyboard_interrupt,
     metric_delta,
+    require_vllm_nixl,
     source_revision,
     versions,
 )
@@ -462,6 +463,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require_vllm_nixl(args.configs)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     workdir = Path(tempfile.mkdtemp(prefix="kvbld-", dir="/tmp"))
     reaper = Reaper()

@@ -1094,6 +1094,21 @@ def versions() -> dict[str, str]:
     return found
 
 
+def require_vllm_nixl(keys: list[str]) -> None:
+    """vLLM's NIXL connectors import the ``nixl`` meta package, which the project's setup does not
+    install (``make bench-vllm`` / ``make bench-load`` do): say so before any server starts, not in
+    a "failed" row at the end of the run."""
+    if not any(CONFIGS[key].connector.startswith("Nixl") for key in keys):
+        return
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"vLLM's NIXL connectors need the `nixl` meta package ({exc}): "
+            "pip install --no-deps nixl==1.5.1 (make bench-vllm and make bench-load install it)"
+        ) from None
+
+
 # --- main ------------------------------------------------------------------------------------------
 
 
@@ -1153,6 +1168,7 @@ def interrupts_as_keyboard_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require_vllm_nixl(args.configs)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # Unix socket paths are limited to 107 bytes: a short directory for the sidecars' sockets.
     workdir = Path(tempfile.mkdtemp(prefix="kvbpd-", dir="/tmp"))
