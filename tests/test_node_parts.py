@@ -31,7 +31,7 @@ from sidecar.core.consumer import ConsumerRequest
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
 from sidecar.core.trace import TraceRecorder
-from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from tests.support.fake_transport import FakeFabric
 
 LAYOUT = KvLayout(num_layers=2, num_blocks=16, block_len=256)
@@ -907,5 +907,46 @@ def test_a_producer_engine_that_goes_fails_the_push_registrations_waiting_for_it
             assert failed.kind == engine_pb2.LOAD_FAILED and "producer engine gone" in failed.reason, failed
             assert h.node.producer.push.matcher.pending_registrations == 0
             assert (D, "req-g-d") not in h.node.consumer.requests
+
+    run(scenario)
+
+
+def test_a_push_registration_whose_answer_was_lost_is_fenced_and_withdrawn(tmp_path: Path) -> None:
+    """The PushReg reached the producer, and the connection dropped before its answer came back
+    (UNAVAILABLE, not a timeout). The producer holds a registration the consumer gave up on: its
+    WRITE must not land in blocks D's engine already got back with LOAD_FAILED. So, as after a
+    timeout, the blocks are fenced and the fence's checks withdraw the registration; the
+    producer's later SubmitBlocks writes nothing."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, heartbeat_interval_seconds=0.05) as h:
+            real_push_reg = h.node.peers.push_reg
+
+            async def answer_lost(*args: Any, **kwargs: Any) -> None:
+                await real_push_reg(*args, **kwargs)  # delivered and registered
+                raise Unavailable("PushReg: connection reset by peer")
+
+            h.node.peers.push_reg = answer_lost  # type: ignore[method-assign]
+            expect = SidecarClient.expect_push_request(D, "req-u-d", [[10, 11]], remote(ADDRESS, P, "req-u"))
+            answer = await h.node.consumer.expect_push(expect)
+            assert not answer.registered
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            # D's engine reuses its blocks at once.
+            h.d.fill([10, 11], seed=9)
+            reused = h.d.blocks([10, 11])
+            for _ in range(200):  # the fence's checks ask the producer to drop the registration
+                if not h.node.consumer._fenced:
+                    break
+                await asyncio.sleep(0.01)
+            assert not h.node.consumer._fenced, "the fence never ended"
+            assert not h.node.producer.push.matcher.pending_registrations, "the producer still waits to write"
+            h.p.fill([0, 1], seed=3)
+            push = common_pb2.TRANSFER_MODE_PUSH
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-u", [[0, 1]], mode=push))
+            await asyncio.sleep(0.1)
+            assert not h.fabric.transfers, "the producer wrote for a registration its consumer gave up on"
+            assert h.d.blocks([10, 11]) == reused, "D's reused blocks were overwritten"
+            assert "fenced against late WRITEs" in failed.reason, failed.reason
 
     run(scenario)

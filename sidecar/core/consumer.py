@@ -314,10 +314,12 @@ class ConsumerSide:
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
-            if isinstance(exc, DeadlineExceeded) and pending.push_reg_sent:
-                # The PushReg may have reached a producer that is only slow (or stopped): it could
-                # still write, though (a producer of this version) not past the write_by it carried,
-                # clocks within the allowance, + a WRITE's bound (as ours, unknown without its answer).
+            if isinstance(exc, (DeadlineExceeded, Unavailable)) and pending.push_reg_sent:
+                # The PushReg may have reached a producer that is only slow (or stopped), or whose
+                # answer was lost with the connection: it could still write, though (a producer of
+                # this version) not past the write_by it carried, clocks within the allowance, + a
+                # WRITE's bound (as ours, unknown without its answer). The fence's checks withdraw
+                # the registration there.
                 pending.writes_quiet_at = pending.push_deadline + self._ctx.settings.transfer_timeout_seconds
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
