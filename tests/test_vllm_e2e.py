@@ -284,7 +284,9 @@ def test_keep_alive_holds_producer_blocks_while_consumer_request_waits(cluster: 
     """D is busy, so a P/D request waits in its queue longer than P's lease: the shim's KeepAlive
     makes D's sidecar heartbeat P's sidecar from the request's arrival, and the KV is still there
     when the request is finally scheduled."""
-    busy = [cluster.decode.send("generate", prompt=fresh_prompt(40), max_tokens=900) for _ in range(12)]
+    # D runs one sequence at a time: 12 x 400 decode steps keep it busy ~25 s on this project's
+    # slowest machine and several times the lease on a fast one (the assertion below checks it).
+    busy = [cluster.decode.send("generate", prompt=fresh_prompt(40), max_tokens=400) for _ in range(12)]
     prompt = fresh_prompt(210)
     params = cluster.prefill_leg(prompt, "pull")
     answered = time.monotonic()

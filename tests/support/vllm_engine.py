@@ -562,6 +562,10 @@ class VllmServer:
             self.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            # Reap the API server first: an exited but unreaped group leader is a zombie, and
+            # signalling its group still succeeds, so without this every stop waited the whole
+            # timeout (30 s a server).
+            self.process.poll()
             try:
                 os.killpg(self.process.pid, 0)
             except ProcessLookupError:

@@ -1,0 +1,142 @@
+"""Latency and CPU per request of the control-plane rows, for one or several checkouts, alternating.
+
+    python bench/control_cpu.py [CHECKOUT ...] [--rounds 3] [--rate 100] [--count 300]
+        [--modes push pull] [--json OUT]
+
+For each round and checkout (default: this one) a child process runs, from that checkout's
+directory with PYTHONPATH=<checkout>, that checkout's own ``control_plane`` (``kvsidecar bench``'s
+control rows: two ``kvsidecar serve`` daemons, the simulated engines in the child, 1-block requests
+open loop at ``--rate``) and reads, around each row's open loop only, the CPU time of each daemon
+by thread (``/proc/PID/task``: the event loop ``python``, the NIXL owner ``kvsidecar-nixl``, gRPC's
+``event_engine``...) and of the child itself (the simulated engines and the load generator). The
+row's own Trace queries afterwards (today's ``control_path``) are left out, so checkouts from before
+tracing compare. Why CPU: on a shared 2-core machine latency moves by a third between minutes,
+while CPU per request is what a node pays and moves far less. Prints a table of medians over the
+rounds; ``--json`` keeps every row.
+
+Works with the module layout before ``sidecar/tools/`` (``sidecar.bench``, ``sidecar.workload``),
+so the commit an issue measured can run against today's (``git worktree add DIR COMMIT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads(pid: int) -> dict[str, float]:
+    """CPU seconds by thread name (threads of one name summed)."""
+    found: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            seconds = _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+        except OSError:
+            continue  # the thread ended
+        found[name] = found.get(name, 0.0) + seconds
+    return found
+
+
+def _own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def measure(rate: float, count: int, modes: list[str]) -> list[dict[str, Any]]:
+    """In the child: one row per mode, this checkout's code (cwd and PYTHONPATH)."""
+    try:
+        import sidecar.tools.bench as bench_module
+        from sidecar.tools.workload import TransferPair
+    except ImportError:  # the layout before sidecar/tools/
+        import sidecar.bench as bench_module  # type: ignore[no-redef]
+        from sidecar.workload import TransferPair  # type: ignore[no-redef]
+    from engine_shim.memory import KvLayout
+
+    if hasattr(bench_module, "control_path"):
+        bench_module.control_path = lambda pair: {}  # its Trace queries run after the load
+    rows = []
+    with TransferPair(KvLayout(1, 256, 64 * 1024)) as pair:
+        pair.fill_producer(seed=1)
+        pids = {side: daemon.process.pid for side, daemon in zip(("p_sidecar", "d_sidecar"), pair.daemons, strict=True)}
+        for mode in modes:
+            bench_module.control_plane(pair, mode, rate, 20)  # warm: connections, prepared lists, polling
+            before = {side: _threads(pid) for side, pid in pids.items()}
+            own = _own_cpu()
+            row = bench_module.control_plane(pair, mode, rate, count)
+            own = _own_cpu() - own
+            after = {side: _threads(pid) for side, pid in pids.items()}
+            cpu: dict[str, Any] = {"engines_and_load": own / count * 1000}
+            for side in pids:
+                by_thread = {
+                    name: (after[side][name] - before[side].get(name, 0.0)) / count * 1000 for name in after[side]
+                }
+                cpu[side] = sum(by_thread.values())
+                cpu[f"{side}_threads"] = {name: ms for name, ms in by_thread.items() if ms > 0}
+            rows.append({"mode": mode, "p50_ms": row.p50_ms, "p99_ms": row.p99_ms, "cpu_ms_per_request": cpu})
+    return rows
+
+
+def _child(checkout: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--rate", str(args.rate),
+               "--count", str(args.count), "--modes", *args.modes]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{checkout}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkouts", type=Path, nargs="*", default=[REPO])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=100.0)
+    parser.add_argument("--count", type=int, default=300)
+    parser.add_argument("--modes", nargs="+", default=["push", "pull"], choices=["push", "pull"])
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.rate, args.count, args.modes)))
+        return
+    found: dict[str, list[dict[str, Any]]] = {}
+    for index in range(args.rounds):
+        for checkout in args.checkouts:
+            for row in _child(checkout.resolve(), args):
+                found.setdefault(f"{checkout} {row['mode']}", []).append(row)
+                cpu = row["cpu_ms_per_request"]
+                print(f"round {index + 1} {checkout} {row['mode']}: p50 {row['p50_ms']:.2f} ms, CPU ms/request "
+                      f"P's sidecar {cpu['p_sidecar']:.2f}, D's {cpu['d_sidecar']:.2f}, "
+                      f"engines+load {cpu['engines_and_load']:.2f}", flush=True)  # fmt: skip
+    print("| checkout, mode | latency p50 / p99 ms | CPU ms per request: P's sidecar / D's sidecar / engines+load |")
+    print("|---|---|---|")
+    for key, rows in found.items():
+
+        def median(pick: Any, rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.median(pick(row) for row in rows)
+
+        print(
+            f"| {key} | {median(lambda r: r['p50_ms']):.2f} / {median(lambda r: r['p99_ms']):.2f} | "
+            f"{median(lambda r: r['cpu_ms_per_request']['p_sidecar']):.2f} / "
+            f"{median(lambda r: r['cpu_ms_per_request']['d_sidecar']):.2f} / "
+            f"{median(lambda r: r['cpu_ms_per_request']['engines_and_load']):.2f} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(found, indent=2))
+
+
+if __name__ == "__main__":
+    main()
