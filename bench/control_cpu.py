@@ -29,24 +29,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil  # type: ignore[import-untyped]
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _cpu_seconds(stat_path: str) -> float:
-    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _threads(pid: int) -> dict[str, float]:
-    """CPU seconds by thread name (threads of one name summed)."""
+    """CPU seconds by thread name (threads of one name summed); psutil gives each thread's times,
+    ``/proc/PID/task/TID/comm`` its name."""
     found: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    for thread in psutil.Process(pid).threads():
         try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            seconds = _cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+            name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
         except OSError:
             continue  # the thread ended
-        found[name] = found.get(name, 0.0) + seconds
+        found[name] = found.get(name, 0.0) + thread.user_time + thread.system_time
     return found
 
 
