@@ -30,15 +30,20 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
 # The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
+# The tests without vLLM run on two workers (pytest-xdist, a module per worker): most of their time
+# is waiting (leases, heartbeats, daemon starts), which overlaps. The vLLM ones run after them, one
+# at a time: each pins its engines to the two cores.
+PARALLEL := -n 2 --dist loadfile
 test: setup upstream
-	$(PY) -m pytest -q -m "not hetero and not multihost_full and not upstream_full"
+	$(PY) -m pytest -q $(PARALLEL) -m "not vllm and not hetero and not multihost_full and not upstream_full"
+	$(PY) -m pytest -q -m "vllm and not hetero and not multihost_full and not upstream_full"
 
 # Every case through vLLM's own proxies (tests/test_vllm_upstream.py); `make test` runs a subset.
 upstream-proxies: setup upstream
 	$(PY) -m pytest -q -m vllm tests/test_vllm_upstream.py
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm and not hetero and not multihost_full"
+	$(PY) -m pytest -q $(PARALLEL) -m "not vllm and not hetero and not multihost_full"
 
 # The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
 hetero: setup

@@ -20,7 +20,12 @@ code).
 
 Each figure is the median over ``--count`` sequential round trips after a warm-up.
 
-    python -m bench.grpc_floor [--count 2000]
+Then the CPU each hop costs, per call, in the server process and in the caller, back to back and
+paced at ``--rate`` calls/s (the control rows' rate): ``unary sync->aio``, ``bidi sync->aio`` and,
+under both, a plain asyncio TCP echo (``socket sync->asyncio``: no gRPC). Paced calls find every
+thread asleep and its caches cold, which is what a request at 100/s pays; back to back they do not.
+
+    python -m bench.grpc_floor [--count 2000] [--rate 100] [--cpu-count 300]
 """
 
 from __future__ import annotations
@@ -30,14 +35,17 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import multiprocessing.synchronize
+import os
 import queue
 import socket
 import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
+import psutil  # type: ignore[import-untyped]
 
 _ECHO = "/floor.Floor/Echo"
 _STREAM = "/floor.Floor/Stream"
@@ -50,7 +58,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _serve(port: int, ready: multiprocessing.synchronize.Event, count: int) -> None:
+def _serve(port: int, socket_port: int, ready: multiprocessing.synchronize.Event, count: int) -> None:
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
@@ -64,7 +72,13 @@ def _serve(port: int, ready: multiprocessing.synchronize.Event, count: int) -> N
         async for request in requests:
             yield request
 
+    async def echo_socket(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(64):
+            writer.write(data)
+            await writer.drain()
+
     async def main() -> None:
+        plain = await asyncio.start_server(echo_socket, "127.0.0.1", socket_port)
         server = grpc.aio.server()
         handlers = {
             "Echo": grpc.unary_unary_rpc_method_handler(echo),
@@ -75,7 +89,8 @@ def _serve(port: int, ready: multiprocessing.synchronize.Event, count: int) -> N
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
-        await server.wait_for_termination()
+        async with plain:
+            await server.wait_for_termination()
 
     asyncio.run(main())
 
@@ -191,6 +206,65 @@ def thread_handoff(count: int) -> list[float]:
     return samples
 
 
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def cpu_per_call(server: psutil.Process, call: Callable[[], object], rate: float, count: int) -> tuple[float, float]:
+    """(server, caller) CPU ms per ``call()``, ``count`` calls back to back (``rate`` 0) or paced
+    at ``rate`` per second, after a warm-up."""
+    for _ in range(100):
+        call()
+    server_before, own_before = _cpu_s(server), _own_cpu_s()
+    for _ in range(count):
+        call()
+        if rate:
+            time.sleep(1.0 / rate)
+    return (
+        (_cpu_s(server) - server_before) / count * 1000,
+        (_own_cpu_s() - own_before) / count * 1000,
+    )
+
+
+def cpu_rows(target: str, socket_port: int, server: psutil.Process, rate: float, count: int) -> None:
+    payload = b"x" * 30
+    outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def requests():  # type: ignore[no-untyped-def]
+        while (message := outgoing.get()) is not None:
+            yield message
+
+    with grpc.insecure_channel(target) as channel, socket.create_connection(("127.0.0.1", socket_port)) as plain:
+        unary = channel.unary_unary(_ECHO)
+        answers = channel.stream_stream(_BIDI)(requests())
+
+        def bidi() -> None:
+            outgoing.put(payload)
+            next(answers)
+
+        def echo_socket() -> None:
+            plain.sendall(payload)
+            plain.recv(64)
+
+        hops = {
+            "unary sync->aio": lambda: unary(payload, timeout=5),
+            "bidi sync->aio": bidi,
+            "socket sync->asyncio": echo_socket,
+        }
+        print(f"CPU ms per call (server / caller), {count} calls: back to back | paced at {rate:g}/s")
+        for name, call in hops.items():
+            tight = cpu_per_call(server, call, 0.0, count)
+            paced = cpu_per_call(server, call, rate, count)
+            print(f"{name:<20} {tight[0]:.2f} / {tight[1]:.2f} | {paced[0]:.2f} / {paced[1]:.2f}")
+        outgoing.put(None)
+
+
 def _fire(loop: asyncio.AbstractEventLoop, done: asyncio.Future[float]) -> None:
     time.sleep(0.0005)  # the loop is idle in epoll when the call comes
     sent = time.perf_counter()
@@ -215,10 +289,14 @@ def loop_wake(count: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--rate", type=float, default=100.0, help="calls/s of the paced CPU rows")
+    parser.add_argument("--cpu-count", type=int, default=300, help="calls per CPU row")
     args = parser.parse_args()
-    port = _free_port()
+    port, socket_port = _free_port(), _free_port()
     ready = multiprocessing.get_context("spawn").Event()
-    server = multiprocessing.get_context("spawn").Process(target=_serve, args=(port, ready, args.count), daemon=True)
+    server = multiprocessing.get_context("spawn").Process(
+        target=_serve, args=(port, socket_port, ready, args.count), daemon=True
+    )
     server.start()
     try:
         if not ready.wait(30):
@@ -231,6 +309,7 @@ def main() -> None:
         print(f"stream aio->sync     {_ms(stream_sync(target, args.count))}")
         print(f"loop->thread->loop   {_ms(thread_handoff(args.count))}")
         print(f"thread->loop         {_ms(loop_wake(args.count))}")
+        cpu_rows(target, socket_port, psutil.Process(server.pid), args.rate, args.cpu_count)
     finally:
         server.terminate()
         server.join(10)

@@ -78,8 +78,8 @@ def probe(cap: str, rpc_dir: Path) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning(tmp_path: Path) -> None:
-    outcome = probe("default", tmp_path)
+def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning(workdir: Path) -> None:
+    outcome = probe("default", workdir)
     assert outcome["applied"] is True
     # vLLM alone would return at once (one sched_yield) and be called again: a spin. Capped, an idle
     # reader sleeps, those built before the cap as well as after it, for the recheck bound rather
@@ -92,8 +92,8 @@ def test_an_idle_engine_reader_sleeps_until_notified_instead_of_spinning(tmp_pat
     assert 0 <= outcome["limit"] < ShimConfig(sidecar_socket="unused").idle_wait
 
 
-def test_a_negative_engine_busy_loop_leaves_vllm_spinning(tmp_path: Path) -> None:
-    outcome = probe("-1", tmp_path)
+def test_a_negative_engine_busy_loop_leaves_vllm_spinning(workdir: Path) -> None:
+    outcome = probe("-1", workdir)
     assert outcome["applied"] is False
     assert outcome["before_idle_s"] < 0.3, outcome
     assert outcome["after_idle_s"] < 0.3, outcome
@@ -126,9 +126,9 @@ for name in os.listdir(os.environ["VLLM_RPC_BASE_PATH"]):  # zmq leaves bound ip
 """
 
 
-def test_a_lost_notification_delays_a_sleeping_engine_reader_by_the_recheck_bound_not_5_s(tmp_path: Path) -> None:
+def test_a_lost_notification_delays_a_sleeping_engine_reader_by_the_recheck_bound_not_5_s(workdir: Path) -> None:
     before = set(Path("/dev/shm").iterdir())
-    env = {**os.environ, "VLLM_RPC_BASE_PATH": str(tmp_path)}
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": str(workdir)}
     limit = str(ShimConfig(sidecar_socket="unused").engine_busy_loop)
     result = subprocess.run(
         [sys.executable, "-c", LOST_NOTIFICATION, limit],
@@ -139,8 +139,9 @@ def test_a_lost_notification_delays_a_sleeping_engine_reader_by_the_recheck_boun
     assert outcome["got"] == "second"
     # Written 50 ms after the reader went to sleep; vLLM alone would find it at its 5 s recheck.
     assert outcome["waited_s"] < 0.05 + IDLE_RECHECK_S + 0.5, outcome
-    # vLLM's queue segments; kvsidecar's files are the autouse fixture's (conftest: it tells ours
-    # from those of another run on the machine, which this global listing cannot).
-    left = {path for path in set(Path("/dev/shm").iterdir()) - before if not path.name.startswith("kvsidecar-")}
+    # vLLM's queue segments (Python's shared_memory names, psm_*); kvsidecar's files are the autouse
+    # fixture's (conftest: it tells ours from those of another run on the machine, which this
+    # global listing cannot).
+    left = {path for path in set(Path("/dev/shm").iterdir()) - before if path.name.startswith("psm_")}
     assert not left, f"the probe left shared memory behind: {sorted(left)}"
-    assert not list(tmp_path.iterdir()), "the probe left zmq socket files behind"
+    assert not list(workdir.iterdir()), "the probe left zmq socket files behind"

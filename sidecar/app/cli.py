@@ -196,11 +196,16 @@ def _add_demo(subparsers: Any) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sidecar.tools.demo import run_demo
-
     # Ctrl-C stops the demo cleanly also when it was started as a shell's background job (or by
     # anything else that left SIGINT ignored, which Python then keeps: no KeyboardInterrupt).
+    # Before the heavy import below: a SIGINT that arrives while it is still ignored is discarded,
+    # and the demo would run all its requests (that import takes seconds on a loaded machine).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        from sidecar.tools.demo import run_demo
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     if not modes or any(mode not in ("push", "pull") for mode in modes):
         print("kvsidecar: --modes takes push and/or pull", file=sys.stderr)

@@ -90,7 +90,11 @@ class DaemonProcess:
                 env=child_env(self.env),
                 start_new_session=True,
             )
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # Ctrl-C too: the caller never got this daemon to stop it
+            self.kill()
+            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:
