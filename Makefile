@@ -30,20 +30,24 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_FILES)
 
 # The slower cross-host cases (tests/multihost, network namespaces) run in `make multihost`.
-# The tests without vLLM run on two workers (pytest-xdist, a module per worker): most of their time
-# is waiting (leases, heartbeats, daemon starts), which overlaps. The vLLM ones run after them, one
-# at a time: each pins its engines to the two cores.
+# Most tests run on two workers (pytest-xdist, a module per worker): most of their time is waiting
+# (leases, heartbeats, daemon starts), which overlaps. Two kinds run after them, one at a time: the
+# vLLM ones (each pins its engines to the two cores) and the soak's subset (it counts every file in
+# /dev/shm, which the other worker's tests would move).
 PARALLEL := -n 2 --dist loadfile
+ALONE := vllm or soak
+SKIPPED := not hetero and not multihost_full and not upstream_full
 test: setup upstream
-	$(PY) -m pytest -q $(PARALLEL) -m "not vllm and not hetero and not multihost_full and not upstream_full"
-	$(PY) -m pytest -q -m "vllm and not hetero and not multihost_full and not upstream_full"
+	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
+	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)"
 
 # Every case through vLLM's own proxies (tests/test_vllm_upstream.py); `make test` runs a subset.
 upstream-proxies: setup upstream
 	$(PY) -m pytest -q -m vllm tests/test_vllm_upstream.py
 
 test-fast: setup
-	$(PY) -m pytest -q $(PARALLEL) -m "not vllm and not hetero and not multihost_full"
+	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
+	$(PY) -m pytest -q -m "soak and not vllm and $(SKIPPED)"
 
 # The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
 hetero: setup
