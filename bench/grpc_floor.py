@@ -35,7 +35,6 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import multiprocessing.synchronize
-import os
 import queue
 import socket
 import statistics
@@ -211,24 +210,20 @@ def _cpu_s(process: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def _own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
 def cpu_per_call(server: psutil.Process, call: Callable[[], object], rate: float, count: int) -> tuple[float, float]:
     """(server, caller) CPU ms per ``call()``, ``count`` calls back to back (``rate`` 0) or paced
     at ``rate`` per second, after a warm-up."""
     for _ in range(100):
         call()
-    server_before, own_before = _cpu_s(server), _own_cpu_s()
+    caller = psutil.Process()
+    server_before, own_before = _cpu_s(server), _cpu_s(caller)
     for _ in range(count):
         call()
         if rate:
             time.sleep(1.0 / rate)
     return (
         (_cpu_s(server) - server_before) / count * 1000,
-        (_own_cpu_s() - own_before) / count * 1000,
+        (_cpu_s(caller) - own_before) / count * 1000,
     )
 
 

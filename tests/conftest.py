@@ -3,7 +3,7 @@ sidecar and simulated-engine processes that are always killed, and a check that 
 shared-memory files behind (another test run on the same machine may have files there meanwhile:
 those are left alone).
 
-Under pytest-xdist (``make test`` runs the tests without vLLM on two workers) the other worker is
+Under pytest-xdist (``make test`` runs most tests on two workers) the other worker is
 such another run: its files are told from ours by their creator, a process this worker started
 (every such process is a child started through ``subprocess``, recorded below) or the worker itself."""
 

@@ -201,11 +201,6 @@ def _demo(args: argparse.Namespace) -> int:
     # Before the heavy import below: a SIGINT that arrives while it is still ignored is discarded,
     # and the demo would run all its requests (that import takes seconds on a loaded machine).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        from sidecar.tools.demo import run_demo
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
     modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
     if not modes or any(mode not in ("push", "pull") for mode in modes):
         print("kvsidecar: --modes takes push and/or pull", file=sys.stderr)
@@ -214,6 +209,8 @@ def _demo(args: argparse.Namespace) -> int:
         print("kvsidecar: need 1 <= --min-blocks <= --max-blocks", file=sys.stderr)
         return 2
     try:
+        from sidecar.tools.demo import run_demo
+
         return run_demo(
             args.requests,
             modes,

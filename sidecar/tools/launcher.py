@@ -92,7 +92,7 @@ class DaemonProcess:
             )
         try:
             self._wait_ready(timeout)
-        except BaseException:  # Ctrl-C too: the caller never got this daemon to stop it
+        except BaseException:  # not ready in time, or Ctrl-C: the caller never got it to stop it
             self.kill()
             raise
         return self
@@ -110,7 +110,6 @@ class DaemonProcess:
                 self.peer_port = int(self.address.rsplit(":", 1)[1])
                 return
             if time.monotonic() > deadline:
-                self.kill()
                 raise TimeoutError(f"sidecar {self.name} not ready within {timeout}s:\n{self.log_tail()}")
             time.sleep(0.05)
 
