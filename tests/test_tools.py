@@ -138,4 +138,7 @@ def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_pat
             assert since_call == extra["control_p50_ms"], row
         assert extra["stages_mean_ms"]["consumer/total"] > 0
         nixl_side = "consumer" if row["path"] == "kvsidecar-pull" else "producer"
-        assert extra["stages_mean_ms"][f"{nixl_side}/nixl_transfer"] > 0, row
+        # NIXL's time is split into the post call and the rest after it; on one host the CMA copy
+        # happens inside the post, so the rest alone may well be 0 for a small transfer.
+        stages = extra["stages_mean_ms"]
+        assert stages[f"{nixl_side}/nixl_post"] + stages[f"{nixl_side}/nixl_transfer"] > 0, row
