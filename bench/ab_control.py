@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.checkouts import alternate, in_checkout  # noqa: E402
 
 FIELDS = (
     ("p50_ms", None),
@@ -28,13 +32,10 @@ FIELDS = (
 )
 
 
-def run(checkout: Path, out: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    command = [sys.executable, "-m", "sidecar.app.cli", "bench", "--only", "control", "--json", str(out)]
-    subprocess.run(command, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+Rows = dict[tuple[str, str], dict[str, float]]
 
 
-def rows(path: Path) -> dict[tuple[str, str], dict[str, float]]:
+def rows(path: Path) -> Rows:
     found = {}
     for row in json.loads(path.read_text()):
         if row["scenario"].startswith("control-plane"):
@@ -50,15 +51,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    args.out = args.out.resolve()  # each run's cwd is its checkout
     args.out.mkdir(parents=True, exist_ok=True)
-    for index in range(1, args.rounds + 1):
-        for side, checkout in (("a", args.a), ("b", args.b)):
-            started = time.monotonic()
-            run(checkout.resolve(), args.out / f"{side}-{index}.json")
-            print(f"{side}-{index}: {time.monotonic() - started:.0f} s", flush=True)
+    sides = {args.a.resolve(): "a", args.b.resolve(): "b"}
+
+    def measure(checkout: Path, index: int) -> Rows:
+        out = args.out / f"{sides[checkout]}-{index}.json"
+        started = time.monotonic()
+        command = [sys.executable, "-m", "sidecar.app.cli", "bench", "--only", "control", "--json", str(out)]
+        in_checkout(checkout, command)
+        print(f"{sides[checkout]}-{index}: {time.monotonic() - started:.0f} s", flush=True)
+        return rows(out)
+
+    by_checkout = alternate([args.a, args.b], args.rounds, measure)
+    found = {sides[checkout]: results for checkout, results in by_checkout.items()}
     print("| row | side | latency p50 / p99 ms | control p50 / p99 ms | control from the last call p50 ms |")
     print("|---|---|---|---|---|")
-    found = {side: [rows(args.out / f"{side}-{n}.json") for n in range(1, args.rounds + 1)] for side in "ab"}
     for key in sorted(found["a"][0]):
         for side in "ab":
             medians = {

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -86,16 +85,6 @@ def measure(rate: float, count: int, modes: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _child(checkout: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--rate", str(args.rate),
-               "--count", str(args.count), "--modes", *args.modes]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(checkout))
-    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{checkout}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkouts", type=Path, nargs="*", default=[REPO])
@@ -109,15 +98,26 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.rate, args.count, args.modes)))
         return
+    # Imported here, not at the top: the child measures another checkout's code, which must be
+    # the first ``sidecar`` on its path.
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from bench.checkouts import alternate, in_checkout
+
     found: dict[str, list[dict[str, Any]]] = {}
-    for index in range(args.rounds):
-        for checkout in args.checkouts:
-            for row in _child(checkout.resolve(), args):
-                found.setdefault(f"{checkout} {row['mode']}", []).append(row)
-                cpu = row["cpu_ms_per_request"]
-                print(f"round {index + 1} {checkout} {row['mode']}: p50 {row['p50_ms']:.2f} ms, CPU ms/request "
-                      f"P's sidecar {cpu['p_sidecar']:.2f}, D's {cpu['d_sidecar']:.2f}, "
-                      f"engines+load {cpu['engines_and_load']:.2f}", flush=True)  # fmt: skip
+
+    def run_round(checkout: Path, index: int) -> None:
+        command = [sys.executable, str(Path(__file__).resolve()), "--child", "--rate", str(args.rate),
+                   "--count", str(args.count), "--modes", *args.modes]  # fmt: skip
+        done = in_checkout(checkout, command)
+        for row in json.loads(done.stdout.strip().splitlines()[-1]):
+            found.setdefault(f"{checkout} {row['mode']}", []).append(row)
+            cpu = row["cpu_ms_per_request"]
+            print(f"round {index} {checkout} {row['mode']}: p50 {row['p50_ms']:.2f} ms, CPU ms/request "
+                  f"P's sidecar {cpu['p_sidecar']:.2f}, D's {cpu['d_sidecar']:.2f}, "
+                  f"engines+load {cpu['engines_and_load']:.2f}", flush=True)  # fmt: skip
+
+    alternate(args.checkouts, args.rounds, run_round)
     print("| checkout, mode | latency p50 / p99 ms | CPU ms per request: P's sidecar / D's sidecar / engines+load |")
     print("|---|---|---|")
     for key, rows in found.items():
