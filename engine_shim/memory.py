@@ -6,8 +6,9 @@ sidecar maps the same file by name. No header, no refcounting: the file holds ex
 
 Ownership follows the shared-memory contract (``kvsidecar.shm``): the creating process holds an
 exclusive ``flock`` on the file for the buffer's life and unlinks it on close, so a file whose
-creator died is an orphan the sidecar (or the next engine) removes with
-``kvsidecar.shm.remove_if_orphaned``.
+creator died is an orphan the sidecar removes when it sees the engine die, and the next buffer
+made with the default name removes once it is a minute old (a demo or benchmark killed with its
+sidecars would otherwise keep its memory until reboot).
 
 ``kv_registration`` describes the common vLLM layout (one storage, one region per layer, each a
 slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
@@ -15,6 +16,7 @@ slab of ``num_blocks`` blocks) as a RegisterWorkerRequest.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import uuid
@@ -24,8 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsidecar.shm import SHM_DIR, SIMULATED_PREFIX, create_locked
+from kvsidecar.shm import SHM_DIR, SIMULATED_PREFIX, create_locked, remove_orphans
 from kvsidecar.v1 import common_pb2, engine_pb2
+
+log = logging.getLogger(__name__)
+
+# How long a default-named file must be unchanged before the next buffer takes it for an orphan:
+# until then it is left to the sidecar that watched its engine die (which counts the removal).
+ORPHAN_AGE_S = 60.0
 
 
 class SharedBuffer:
@@ -35,7 +43,11 @@ class SharedBuffer:
         if size <= 0:
             raise ValueError("size must be > 0")
         self.size = size
-        self.path = directory / (name or f"{SIMULATED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        if name is None:
+            for orphan in remove_orphans(directory, SIMULATED_PREFIX, ORPHAN_AGE_S):
+                log.warning("removed %s, left behind by a process that was killed", orphan)
+            name = f"{SIMULATED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = directory / name
         self._fd = create_locked(directory, self.path.name, size)  # tmpfs: reads as zeros
         try:
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)

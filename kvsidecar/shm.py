@@ -2,7 +2,9 @@
 named, and the lock rule that tells a live engine's file from one a killed engine left behind.
 
 Both sides import this module: the engine side (``engine_shim``) creates and owns files with
-``create_locked``; the daemon (``sidecar``) removes orphans with ``remove_if_orphaned``. It has no
+``create_locked`` and, before making new ones, remove the files killed engines left with
+``remove_orphans``; the daemon (``sidecar``) removes the files of engines it saw die with
+``remove_if_orphaned``. It has no
 side effects on import and depends on the standard library only (DESIGN.md section 8: the shim
 imports nothing of the daemon, the daemon's core nothing of the shim).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -85,3 +88,23 @@ def remove_if_orphaned(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def remove_orphans(directory: Path, prefix: str, unchanged_for_s: float = 0.0) -> list[Path]:
+    """Remove every ``directory/prefix*`` file whose creator died without removing it (see
+    ``remove_if_orphaned``) and that has not changed for ``unchanged_for_s`` seconds; the removed
+    paths. Run by an engine before it creates its own files, so what a killed engine left (its
+    sidecar killed with it, or never told) goes with the next start rather than at reboot. The age
+    leaves a file that just lost its creator to the sidecar that saw it die (it counts and logs
+    the removal)."""
+    removed = []
+    now = time.time()
+    for path in directory.glob(f"{prefix}*"):
+        try:
+            if unchanged_for_s > 0 and now - path.stat(follow_symlinks=False).st_mtime < unchanged_for_s:
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        if remove_if_orphaned(path):
+            removed.append(path)
+    return removed

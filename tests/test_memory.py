@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ import pytest
 
 from engine_shim.client import SidecarClient
 from engine_shim.cuda_memory import cuda_available, ipc_handle
-from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from engine_shim.memory import ORPHAN_AGE_S, KvLayout, SharedBuffer, kv_registration
 from engine_shim.simulated import make_buffer
 from kvsidecar.shm import remove_if_orphaned
 from kvsidecar.v1 import common_pb2, engine_pb2
@@ -246,6 +247,37 @@ def test_a_killed_creators_file_is_recognised_as_orphaned(workdir: Path) -> None
     finally:
         creator.kill()
         creator.wait(10)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_next_buffer_removes_what_a_killed_process_left_once_it_is_a_minute_old(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A demo or benchmark killed with its sidecars leaves its engines' files; nothing else would
+    remove them before a reboot. The next default-named buffer does, but not a live creator's file
+    however old, and not a fresh orphan (left to the sidecar that watched its engine die)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvs-orphans-", dir="/dev/shm"))
+    doomed, alive = _creator_process(directory), _creator_process(directory)
+    try:
+        assert doomed.stdout is not None and alive.stdout is not None
+        orphan, kept = Path(doomed.stdout.readline().strip()), Path(alive.stdout.readline().strip())
+        doomed.kill()
+        doomed.wait(10)
+        with SharedBuffer(8192, directory=directory) as fresh_one:
+            assert orphan.exists(), "an orphan younger than a minute was taken from the sidecar"
+            assert fresh_one.path.exists()
+        old = time.time() - ORPHAN_AGE_S - 5
+        for path in (orphan, kept):
+            os.utime(path, (old, old))
+        with caplog.at_level("WARNING", logger="engine_shim.memory"), SharedBuffer(8192, directory=directory) as buffer:
+            assert not orphan.exists(), "a killed process's file stayed"
+            assert kept.exists(), "a live creator's file was taken for an orphan"
+            assert sorted(directory.iterdir()) == sorted([kept, buffer.path])
+        assert any(str(orphan) in record.getMessage() for record in caplog.records), caplog.text
+    finally:
+        for creator in (doomed, alive):
+            creator.kill()
+            creator.wait(10)
         shutil.rmtree(directory, ignore_errors=True)
 
 

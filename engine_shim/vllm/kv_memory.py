@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 
 from engine_shim.memory import SharedBuffer
 from engine_shim.vllm.config import SHM_DIR
-from kvsidecar.shm import VLLM_PREFIX, remove_if_orphaned
+from kvsidecar.shm import VLLM_PREFIX, remove_orphans
 from kvsidecar.v1 import common_pb2, engine_pb2
 
 logger = init_logger("vllm.kvsidecar.kv_memory")
@@ -88,9 +88,8 @@ def single_size(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
 
 def shm_allocation(directory: Path, engine_id: str, rank: str, sizes: set[int]) -> ShmKvAllocation:
     """The allocation hook for one worker, after removing the KV files of killed engines."""
-    for orphan in directory.glob(f"{SHM_PREFIX}*"):
-        if remove_if_orphaned(orphan):  # left by an engine that was killed
-            logger.warning("SidecarConnector: removed %s, left behind by an engine that was killed", orphan)
+    for orphan in remove_orphans(directory, SHM_PREFIX):
+        logger.warning("SidecarConnector: removed %s, left behind by an engine that was killed", orphan)
     name = f"{SHM_PREFIX}{engine_id}-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return ShmKvAllocation(sizes, directory / name)
 
