@@ -1,12 +1,12 @@
 """The shared-memory contract between an engine and its sidecar: where KV files live, how they are
 named, and the lock rule that tells a live engine's file from one a killed engine left behind.
 
-Both sides import this module: the engine side (``engine_shim``) creates and owns files with
-``create_locked`` and, before making new ones, remove the files killed engines left with
+Both sides import this module. The engine side (``engine_shim``) creates and owns files with
+``create_locked``, and before it makes new ones removes what killed engines left with
 ``remove_orphans``; the daemon (``sidecar``) removes the files of engines it saw die with
-``remove_if_orphaned``. It has no
-side effects on import and depends on the standard library only (DESIGN.md section 8: the shim
-imports nothing of the daemon, the daemon's core nothing of the shim).
+``remove_if_orphaned``. It has no side effects on import and depends on the standard library
+only (DESIGN.md section 8: the shim imports nothing of the daemon, the daemon's core nothing of
+the shim).
 
 The rule: the creating process holds an exclusive ``flock`` on the file for the file's whole life
 and unlinks it before it drops the lock. A process that dies without closing (SIGKILL, OOM) drops
