@@ -2,7 +2,7 @@
 alternating A, B, A, B, ... (``--rounds`` each) on one machine state, then the median over the
 rounds of each row's latency and control-path p50/p99 (issue 10's figure: 100 req/s).
 
-    /work/wt/isolated python bench/ab_control.py A_DIR B_DIR --out DIR [--rounds 3]
+    /work/wt/isolated python -m bench.ab_control A_DIR B_DIR --out DIR [--rounds 3]
 
 Each run is ``python -m sidecar.app.cli bench --only control`` with PYTHONPATH=<checkout> from
 that checkout's directory; its JSON stays in ``DIR/{a,b}-N.json``.
@@ -17,11 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.checkouts import alternate, in_checkout
 
-from bench.checkouts import alternate, in_checkout  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 FIELDS = (
     ("p50_ms", None),

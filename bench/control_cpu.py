@@ -1,6 +1,6 @@
 """Latency and CPU per request of the control-plane rows, for one or several checkouts, alternating.
 
-    python bench/control_cpu.py [CHECKOUT ...] [--rounds 3] [--rate 100] [--count 300]
+    python -m bench.control_cpu [CHECKOUT ...] [--rounds 3] [--rate 100] [--count 300]
         [--modes push pull] [--json OUT]
 
 For each round and checkout (default: this one) a child process runs, from that checkout's
@@ -100,8 +100,6 @@ def main() -> None:
         return
     # Imported here, not at the top: the child measures another checkout's code, which must be
     # the first ``sidecar`` on its path.
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from bench.checkouts import alternate, in_checkout
 
     found: dict[str, list[dict[str, Any]]] = {}

@@ -38,14 +38,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.vllm_pd import MODEL_SPEC, Reaper, Server
+from sidecar.tools.launcher import DaemonProcess
+from tests.support.tiny_models import build_tiny_llama
+from tests.support.vllm_engine import sidecar_kv_transfer_config
 
-from bench.vllm_pd import MODEL_SPEC, Reaper, Server  # noqa: E402
-from sidecar.tools.launcher import DaemonProcess  # noqa: E402
-from tests.support.tiny_models import build_tiny_llama  # noqa: E402
-from tests.support.vllm_engine import sidecar_kv_transfer_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ANSWER = 128  # D's answer at turn 1 (tokens)
 NEW = 64  # the user's new message at turn 2 (tokens)

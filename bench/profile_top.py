@@ -2,7 +2,7 @@
 the most samples of their own (self) and in their stack (inclusive), and per-process collapsed
 stacks (``flamegraph.pl`` / speedscope input) without the process prefixes.
 
-Run: ``python bench/profile_top.py PROFILE.txt [--out-dir DIR] [--exclude REGEX] [--top N]``.
+Run: ``python -m bench.profile_top PROFILE.txt [--out-dir DIR] [--exclude REGEX] [--top N]``.
 Processes are named by pid and what they run (``sidecar-...`` for ``kvsidecar serve`` daemons).
 """
 

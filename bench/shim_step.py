@@ -8,7 +8,7 @@ per step (``start_load_kv``, ``get_transfer_results``, ...) on a worker-role con
 same metadata. The connector talks to a real sidecar (started here unless ``--sidecar-socket``
 is given); with no transfers it sends nothing.
 
-Run: ``python bench/shim_step.py [--batch 1 64 256 1024] [--steps 400] [--runs 7] [--json OUT]``.
+Run: ``python -m bench.shim_step [--batch 1 64 256 1024] [--steps 400] [--runs 7] [--json OUT]``.
 Reports, per batch size, the median over runs of the mean connector time per step (scheduler
 role, worker role) and of the whole scheduler step with and without the connector.
 """
@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SCHEDULER_HOOKS = (
     "on_new_request",

@@ -13,8 +13,8 @@ such a file back together with a ``KVBENCH_TRACE`` file of ``bench.vllm_pd`` and
 (send -> first token), each owner thread's CPU, run-queue wait and sleep, the kernel waits it slept
 in, and the threads that used the most CPU in that window.
 
-Run it next to a benchmark: ``python bench/thread_watch.py --out W.jsonl & KVBENCH_TRACE=T.txt python
--m bench.vllm_pd ...; kill -INT %1; python bench/thread_watch.py --report W.jsonl --trace T.txt``.
+Run it next to a benchmark: ``python -m bench.thread_watch --out W.jsonl & KVBENCH_TRACE=T.txt python
+-m bench.vllm_pd ...; kill -INT %1; python -m bench.thread_watch --report W.jsonl --trace T.txt``.
 """
 
 from __future__ import annotations

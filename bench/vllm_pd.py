@@ -13,17 +13,12 @@ warmed up, measured and stopped, all in ONE invocation:
   progress-thread delay instead of a busy spin, and no re-pinning of the forward thread by vLLM's
   NIXL worker), applied by ``bench/cpu_fixes_sitecustomize.py`` on the servers' PYTHONPATH;
 - ``recompute``: D computes the prompt itself (no connector, D gets the whole request);
-- ``kvsidecar-push-grpc-spin`` / ``kvsidecar-pull-grpc-spin`` (diagnostic, not the product): kvsidecar
-  with ``bench/grpc_spin_sitecustomize.py`` in the engines, which keeps gRPC's channel-spin thread
-  alive instead of starting a thread per call (see that file for why).
 - ``kvsidecar-push-post-priority`` / ``kvsidecar-pull-post-priority`` (A/B of a setting): kvsidecar
   with ``nixl.post_priority=1``, i.e. NIXL posts (on one host: the copy) as ``SCHED_FIFO``.
 - ``kvsidecar-push-vllm-busy-loop`` / ``kvsidecar-pull-vllm-busy-loop`` (A/B of a setting): kvsidecar
   with ``engine_busy_loop=-1``, i.e. the engines' shm queues spin for 1 s as vLLM ships them;
 - ``kvsidecar-push-weighted`` / ``kvsidecar-pull-weighted`` (A/B): the sidecars weighted as the
   systemd unit weights them (``CPUWeight=1000``), emulated with their autogroup's nice value (-10);
-- ``kvsidecar-push-switch`` / ``kvsidecar-pull-switch`` (A/B): the sidecars with a 0.5 ms GIL switch
-  interval (``bench/switch_interval/sitecustomize.py``);
 - ``nixl-pull-fixed-busy-loop`` / ``nixl-push-fixed-busy-loop`` (diagnostic, not a fix of vLLM's
   connectors): vLLM's connectors with the CPU fixes *and* the engine busy-loop cap that kvsidecar's
   shim applies (``KVBENCH_ENGINE_BUSY_LOOP`` in ``bench/cpu_fixes_sitecustomize.py``), to tell how
@@ -83,21 +78,19 @@ from typing import Any
 import aiohttp
 import psutil  # type: ignore[import-untyped]
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from sidecar.core.handshake import HANDSHAKE_WARM_SECONDS  # noqa: E402
-from sidecar.core.stages import stage_means  # noqa: E402
-from sidecar.tools.launcher import DaemonProcess  # noqa: E402
-from tests.support.tiny_models import build_tiny_llama, prompt_words  # noqa: E402
-from tests.support.vllm_engine import (  # noqa: E402
+from sidecar.core.handshake import HANDSHAKE_WARM_SECONDS
+from sidecar.core.stages import stage_means
+from sidecar.tools.launcher import DaemonProcess
+from tests.support.tiny_models import build_tiny_llama, prompt_words
+from tests.support.vllm_engine import (
     VllmServer,
     free_port,
     remove_engine_shm_files,
     remove_orphaned_shm,
     sidecar_kv_transfer_config,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The model: 2 (K, V) x 4 KV heads x 64 dims x 4 bytes x 8 layers = 16 KiB of KV per token.
 MODEL_SPEC: dict[str, int] = {
@@ -114,10 +107,7 @@ KV_BYTES_PER_TOKEN = 2 * 4 * 64 * 4 * 8
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_MODEL_LEN = 8192 + 256
 FIXES_SOURCE = REPO / "bench" / "cpu_fixes_sitecustomize.py"
-GRPC_SPIN_SOURCE = REPO / "bench" / "grpc_spin_sitecustomize.py"
-SWITCH_INTERVAL_DIR = REPO / "bench" / "switch_interval"  # its sitecustomize.py (A/B of the sidecars)
 FIX_MARKERS: tuple[str, ...] = ("progress thread delay", "skipped NIXL worker's os.sched_setaffinity")
-GRPC_SPIN_MARKER = "kvbench-grpc-spin: patched"
 BUSY_LOOP_MARKER = "engine busy loop capped"
 
 
@@ -133,7 +123,6 @@ class Config:
     fixes: bool = False
     concurrent_key: str = ""  # also measure concurrent dispatch under this row key (push only)
     concurrent_label: str = ""
-    grpc_spin_patch: bool = False  # diagnostic: bench/grpc_spin_sitecustomize.py on the servers' PYTHONPATH
     sidecar_env: tuple[tuple[str, str], ...] = ()  # extra environment of the sidecars (settings A/B)
     shim_config: tuple[tuple[str, Any], ...] = ()  # extra kv_connector_extra_config of the shim (A/B)
     server_env: tuple[tuple[str, str], ...] = ()  # extra environment of the vLLM servers (diagnostics)
@@ -178,12 +167,6 @@ CONFIGS: dict[str, Config] = {
             concurrent_label="vLLM NixlPushConnector, both legs dispatched at once",
         ),
         *_kvsidecar_ab(
-            "grpc-spin",
-            "engines with one persistent gRPC spin thread",
-            "kvsidecar + gRPC patch (diagnostic)",
-            grpc_spin_patch=True,
-        ),
-        *_kvsidecar_ab(
             "post-priority",
             "posts as SCHED_FIFO (nixl.post_priority=1)",
             sidecar_env=(("KVSIDECAR_NIXL__POST_PRIORITY", "1"),),
@@ -223,11 +206,6 @@ CONFIGS: dict[str, Config] = {
             "sidecar",
             "pull",
             sidecar_env=(("KVSIDECAR_VOUCHER_SECONDS", "0"),),
-        ),
-        *_kvsidecar_ab(
-            "switch",
-            "sidecars with a 0.5 ms GIL switch interval (bench/switch_interval/sitecustomize.py)",
-            sidecar_env=(("PYTHONPATH", os.pathsep.join((str(SWITCH_INTERVAL_DIR), str(REPO)))),),
         ),
         *_kvsidecar_ab(
             "weighted",
@@ -553,9 +531,6 @@ class Bench:
         self.fixes_dir = workdir / "cpu-fixes"
         self.fixes_dir.mkdir()
         shutil.copyfile(FIXES_SOURCE, self.fixes_dir / "sitecustomize.py")
-        self.grpc_spin_dir = workdir / "grpc-spin"
-        self.grpc_spin_dir.mkdir()
-        shutil.copyfile(GRPC_SPIN_SOURCE, self.grpc_spin_dir / "sitecustomize.py")
         self.sizes: list[int] = args.sizes
         # Per size: one warm-up prompt and ``runs`` measured prompts, the same for every configuration.
         self.prompts = {
@@ -605,7 +580,6 @@ class Bench:
         engine_ids = {side: f"{config.key}-{side.lower()}-{self.token}" for side in ("P", "D")}
         self.reaper.engine_ids.extend(engine_ids.values())
         patches = [self.fixes_dir] if config.fixes else []
-        patches += [self.grpc_spin_dir] if config.grpc_spin_patch else []
         servers = {}
         for side, cpu, role in (("P", 0, "kv_producer"), ("D", 1, "kv_consumer")):
             socket_path = sidecars[side].socket if side in sidecars else None
@@ -635,7 +609,6 @@ class Bench:
                 metrics[side] = f"{server.url}/metrics"
         setup = Setup(config, servers["P"], servers["D"], sidecars, metrics, engine_ids)
         markers = FIX_MARKERS if config.fixes else ()
-        markers += (GRPC_SPIN_MARKER,) if config.grpc_spin_patch else ()
         markers += (BUSY_LOOP_MARKER,) if dict(config.server_env).get("KVBENCH_ENGINE_BUSY_LOOP") else ()
         if markers:
             missing = [(s.name, m) for s in (setup.prefill, setup.decode) for m in markers if not s.log_has(m)]
