@@ -1,5 +1,5 @@
 """Who may call the engine socket: the credential handshake between an engine-side client and its
-sidecar, which both sides import (DESIGN.md section 8: the contract imports neither side).
+sidecar, which both sides import (docs/design.md section 8: the contract imports neither side).
 
 grpcio gives a server no peer credentials of a Unix-socket caller and cannot serve a connection
 the daemon accepted itself, so the kernel's ``SO_PEERCRED`` is read on a second, plain Unix

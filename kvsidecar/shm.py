@@ -5,7 +5,7 @@ Both sides import this module. The engine side (``engine_shim``) creates and own
 ``create_locked``, and before it makes new ones removes what killed engines left with
 ``remove_orphans``; the daemon (``sidecar``) removes the files of engines it saw die with
 ``remove_if_orphaned``. It has no side effects on import and depends on the standard library
-only (DESIGN.md section 8: the shim imports nothing of the daemon, the daemon's core nothing of
+only (docs/design.md section 8: the shim imports nothing of the daemon, the daemon's core nothing of
 the shim).
 
 The rule: the creating process holds an exclusive ``flock`` on the file for the file's whole life
