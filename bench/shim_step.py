@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.support.tiny_models import build_tiny_llama, kv_cache_config
+
 SCHEDULER_HOOKS = (
     "on_new_request",
     "get_num_new_matched_tokens",
@@ -93,30 +95,6 @@ def vllm_config(model: Path, socket: str | None) -> Any:
         kv_transfer_config=kv_transfer,
     )
     return args.create_engine_config()
-
-
-def kv_cache_config(config: Any, num_blocks: int, layout: str = "LBHNC") -> Any:
-    """Two full-attention layers of ``num_blocks`` blocks (32 tokens, 2 heads of 32, float32) in one
-    tensor, as vLLM's CPU backend allocates them (also used by tests/test_vllm_shim.py)."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    block_stride = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=num_blocks * block_stride * len(layers),
-                layers=layers,
-                layer_stride=num_blocks * block_stride,
-                block_stride=block_stride,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
-        kv_cache_layout=layout,
-    )
 
 
 def make_scheduler(config: Any, kv_config: Any) -> Any:
@@ -258,7 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     from sidecar.tools.launcher import DaemonProcess
-    from tests.support.tiny_models import build_tiny_llama
 
     workdir = Path(tempfile.mkdtemp(prefix="kvs-bench-"))
     model = build_tiny_llama(workdir / "model")

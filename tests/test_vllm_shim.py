@@ -23,12 +23,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from bench.shim_step import kv_cache_config  # noqa: E402
 from engine_shim.vllm import compat  # noqa: E402
 from engine_shim.vllm.compat import compat_factors  # noqa: E402
 from engine_shim.vllm.config import ShimConfig  # noqa: E402
 from engine_shim.vllm.scheduler import SchedulerSide  # noqa: E402
 from engine_shim.vllm.worker import WorkerSide  # noqa: E402
+from tests.support.tiny_models import kv_cache_config  # noqa: E402
 
 
 class ThreadRecordingSet(set[str]):

@@ -111,10 +111,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
 
-    from bench.shim_step import kv_cache_config
     from engine_shim.vllm.connector import SidecarConnector
     from engine_shim.vllm.worker import _Connected
-    from tests.support.tiny_models import build_tiny_llama
+    from tests.support.tiny_models import build_tiny_llama, kv_cache_config
 
     workdir = tmp_path_factory.mktemp("idle")
     kv_transfer = KVTransferConfig(

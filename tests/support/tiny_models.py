@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def build_tiny_llama(
@@ -80,3 +81,28 @@ def prompt_words(length: int, seed: int) -> str:
 
     rng = random.Random(seed)
     return " ".join(f"w{rng.randrange(3, 1000)}" for _ in range(length))
+
+
+def kv_cache_config(config: Any, num_blocks: int, layout: str = "LBHNC") -> Any:
+    """The KV cache of ``build_tiny_llama``'s default model as vLLM's CPU backend allocates it: two
+    full-attention layers of ``num_blocks`` blocks (32 tokens, 2 heads of 32, float32) in one tensor.
+    Used by the shim's tests and ``bench.shim_step``."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    block_stride = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=num_blocks * block_stride * len(layers),
+                layers=layers,
+                layer_stride=num_blocks * block_stride,
+                block_stride=block_stride,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layers, kv_cache_spec=spec)],
+        kv_cache_layout=layout,
+    )
