@@ -103,7 +103,7 @@ class NixlSettings(BaseModel):
     max_post_bytes: int = Field(default=4 << 20, ge=0)
     # SCHED_FIFO priority of the owner thread from a post until it next sleeps (on one host the copy
     # runs inside the post; next to busy-looping engines it otherwise waits for a CPU most of the
-    # time). 0 = off (default: see bench/README.md for the outliers seen with it on). Needs
+    # time). 0 = off (default: see docs/bench-history.md for the outliers seen with it on). Needs
     # CAP_SYS_NICE or RLIMIT_RTPRIO >= it; without, logged once and posts run as before.
     post_priority: int = Field(default=0, ge=0, le=99)
     # Pre-fault shared-memory mappings at registration (first writes into untouched pages are slow).

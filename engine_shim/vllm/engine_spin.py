@@ -8,7 +8,7 @@ engine steps every few milliseconds, so both the EngineCore (waiting for the wor
 the worker (waiting for the next step) stay in that spin for as long as the wait lasts, and P's
 worker spins for a second after the prefill that produced the KV. On a node without spare cores
 those spinners take the cores that the node's sidecar needs to move the KV: the sidecar's NIXL
-thread was measured waiting 78-240 ms on the run queue per transfer at 8k tokens (bench/README.md).
+thread was measured waiting 78-240 ms on the run queue per transfer at 8k tokens (docs/bench-history.md).
 vLLM's in-process NIXL does not pay this, because its copy runs inside the worker that would spin.
 
 ``cap_busy_loop(limit)`` wraps ``SpinCondition.wait`` once per process so every reader of the

@@ -11,7 +11,7 @@ the hand-off to and from the NIXL owner thread and its polling (``nixl_handoff``
 the total minus NIXL's time (post and transfer): what kvsidecar adds around the bytes (issue
 #10's control path).
 
-Stages, by the event that ends them (see README "Request timeline"):
+Stages, by the event that ends them (see docs/operations.md, "Request timeline"):
 
 ====================  ==========================================================================
 stage                 ends at / means

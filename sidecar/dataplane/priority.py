@@ -5,7 +5,7 @@ Between two processes on one host UCX copies by CMA (``process_vm_readv``/``writ
 post, on the owner thread. Next to vLLM on a small box every core runs vLLM's busy loops (the
 workers' shared-memory queue spins with ``sched_yield``, the EngineCores spin on their workers'
 answers), and the owner thread then spends most of a large post runnable but waiting for a CPU:
-measured, 80-90 % of a 128 MiB post in the run queue (``/proc/TID/schedstat``; bench/README.md,
+measured, 80-90 % of a 128 MiB post in the run queue (``/proc/TID/schedstat``; docs/bench-history.md,
 "The copy waits for a CPU"). Fair-share scheduling does not give it the CPU back: with autogroups
 (every session its own group, the default on many kernels) a thread's nice value counts only
 against threads of its own session. A ``SCHED_FIFO`` thread runs before every normal thread, so the
@@ -14,7 +14,7 @@ copies and never waits for another process); it sleeps, and wakes for commands a
 normal thread.
 
 Off by default (``nixl.post_priority=0``): with it on, end-to-end runs next to vLLM cut the copy
-8-10x but also showed rare multi-second outliers not yet explained (bench/README.md).
+8-10x but also showed rare multi-second outliers not yet explained (docs/bench-history.md).
 
 It needs ``CAP_SYS_NICE`` or an ``RLIMIT_RTPRIO`` of at least the priority (systemd:
 ``LimitRTPRIO=``, and no ``RestrictRealtime=yes``). Without it the first post logs
