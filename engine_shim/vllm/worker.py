@@ -43,6 +43,7 @@ from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, SidecarClient
 from engine_shim.vllm.compat import (
+    attention_backends,
     cache_dtype,
     compat_factors,
     data_parallel_rank,
@@ -53,6 +54,8 @@ from engine_shim.vllm.compat import (
 )
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.input_wake import WakeListener, socket_name
+from engine_shim.vllm.kv_cuda import CudaKvAllocation
+from engine_shim.vllm.kv_layout import TOKEN_MAJOR, describe_layer
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.stats import SidecarKVConnectorStats
@@ -127,7 +130,7 @@ class WorkerSide:
             socket_name(self.engine_id, data_parallel_rank(vllm_config), self.tp_rank, self.pp_rank),
             lambda: self._inbox.put(_WAKE),
         )
-        self._allocation: ShmKvAllocation | None = None
+        self._allocation: ShmKvAllocation | CudaKvAllocation | None = None
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
         self._watcher: EventWatcher | None = None
         self._watcher_lock = threading.Lock()
@@ -160,11 +163,16 @@ class WorkerSide:
     # memory export -----------------------------------------------------------------------------
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
-        if self.config.memory_export == "torch_shm" or not is_cpu(self.vllm_config):
+        """The KV allocation hook: a shared-memory file on the CPU (``kv_memory``), an exportable
+        CUDA segment on a GPU (``kv_cuda``); None leaves vLLM's allocation alone ("torch_shm")."""
+        if self.config.memory_export == "torch_shm":
             return None
         sizes = {tensor.size for tensor in self.kv_cache_config.kv_cache_tensors}
         if not sizes:
             return None
+        if not is_cpu(self.vllm_config):
+            self._allocation = CudaKvAllocation(sizes)
+            return self._allocation
         rank = f"pp{self.pp_rank}-tp{self.tp_rank}"
         self._allocation = shm_allocation(Path(self.config.shm_dir), self.engine_id, rank, sizes)
         return self._allocation
@@ -188,6 +196,11 @@ class WorkerSide:
 
     def _build_registration(self, kv_caches: Mapping[str, torch.Tensor]) -> engine_pb2.RegisterWorkerRequest:
         config = self.kv_cache_config
+        model = self.vllm_config.model_config
+        parallel = self.vllm_config.parallel_config
+        num_kv_heads = model.get_num_kv_heads(parallel)
+        is_mla = bool(model.use_mla)
+        backend = attention_backends(self.vllm_config)
         transfer_groups = list(config.transfer_group_ids)
         group_of: dict[str, int] = {}
         for index, group_id in enumerate(transfer_groups):
@@ -196,11 +209,15 @@ class WorkerSide:
         exports: list[engine_pb2.MemoryExport] = []
         export_of: dict[int, int] = {}
         regions: list[engine_pb2.KvRegion] = []
+        kinds: set[str | None] = set()
         seen: set[tuple[int, int]] = set()
         num_blocks = 0
         for name, tensor in kv_caches.items():
             if name not in group_of:
                 continue
+            # Described before anything is exported: a layout the sidecar cannot address is refused
+            # with the reason before the torch shm fallback would copy the cache.
+            layer = describe_layer(name, tensor, num_kv_heads=num_kv_heads, is_mla=is_mla, backend=backend)
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if key not in export_of:
@@ -208,35 +225,32 @@ class WorkerSide:
                 exports.append(export_storage(storage, self._allocation, self.config.memory_export))
                 key = storage.data_ptr()  # the torch shm fallback moves the storage
                 export_of[key] = len(exports) - 1
-            element = tensor.element_size()
-            offset = int(tensor.storage_offset())
-            view = (key, offset)
+            view = (key, layer.offset)
             if view in seen:
                 continue  # a layer sharing another layer's KV cache
             seen.add(view)
-            if tensor.dim() < 2 or not tensor[0].is_contiguous():
-                raise NotImplementedError(
-                    f"SidecarConnector needs block-contiguous KV caches (layout LBHNC); {name} has shape "
-                    f"{tuple(tensor.shape)} and strides {tensor.stride()}"
-                )
-            if num_blocks and tensor.shape[0] != num_blocks:
+            if num_blocks and layer.num_blocks != num_blocks:
                 raise NotImplementedError("SidecarConnector needs the same number of blocks in every layer")
-            num_blocks = int(tensor.shape[0])
+            num_blocks = layer.num_blocks
+            kinds.add(layer.kind)
             regions.append(
                 engine_pb2.KvRegion(
                     name=name,
                     export_index=export_of[key],
-                    offset=offset * element,
-                    block_len=tensor[0].numel() * element,
-                    block_stride=tensor.stride(0) * element,
+                    offset=layer.offset,
+                    block_len=layer.block_len,
+                    block_stride=layer.block_stride,
                     group_id=group_of[name],
                 )
             )
         if not regions:
             raise RuntimeError("SidecarConnector: vLLM registered no transferable KV cache layers")
         logical = max(1, config.num_blocks)
-        model = self.vllm_config.model_config
-        parallel = self.vllm_config.parallel_config
+        if num_blocks % logical:
+            raise NotImplementedError(
+                f"SidecarConnector: the KV cache tensors hold {num_blocks} blocks per layer, not a multiple of "
+                f"vLLM's {logical} blocks (attention backend {backend})"
+            )
         return engine_pb2.RegisterWorkerRequest(
             engine_id=self.engine_id,
             role=self.role,
@@ -247,11 +261,11 @@ class WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=kv_layout_of(self.vllm_config, config),
+                kv_layout=self._layout_name(kinds, backend),
                 num_blocks=num_blocks,
-                num_kv_heads=model.get_num_kv_heads(parallel),
+                num_kv_heads=num_kv_heads,
                 total_num_kv_heads=model.get_total_num_kv_heads(),
-                is_mla=bool(model.use_mla),
+                is_mla=is_mla,
                 head_size=int(model.get_head_size()),
                 dtype=cache_dtype(self.vllm_config),
             ),
@@ -261,6 +275,25 @@ class WorkerSide:
             engine_version=f"vllm {vllm_version()}",
             pid=os.getpid(),
         )
+
+    def _layout_name(self, kinds: set[str | None], backend: str) -> str:
+        """The geometry's layout name: vLLM's CPU layout by its ISA on the CPU (head-major blocks
+        only); on a GPU what the strides showed (``kv_layout``: HND or NHD), or vLLM's own name for
+        an opaque block-contiguous cache."""
+        if len(kinds) > 1:
+            raise NotImplementedError(
+                f"SidecarConnector: the layers' KV caches are laid out differently ({sorted(map(str, kinds))}, "
+                f"attention backend {backend})"
+            )
+        (kind,) = kinds
+        if is_cpu(self.vllm_config):
+            if kind == TOKEN_MAJOR:
+                raise NotImplementedError(
+                    "SidecarConnector: vLLM's CPU KV cache is token-major (LBNHC); its CPU attention reads "
+                    "head-major blocks only, which the sidecar's CPU layout assumes"
+                )
+            return kv_layout_of(self.vllm_config, self.kv_cache_config)
+        return kind or kv_layout_of(self.vllm_config, self.kv_cache_config)
 
     # connection (init thread, then the supervisor thread) ---------------------------------------
 
@@ -582,9 +615,13 @@ class WorkerSide:
     def shm_paths(self) -> list[Path]:
         """The KV file this worker exported, if it made one (tests and debugging)."""
         allocation = self._allocation
-        return [allocation.path] if allocation is not None and allocation.buffer is not None else []
+        if isinstance(allocation, ShmKvAllocation) and allocation.buffer is not None:
+            return [allocation.path]
+        return []
 
     def _close_shm(self) -> None:
-        # Removes the file's name; vLLM's tensors keep the mapping for as long as they live.
-        if self._allocation is not None and self._allocation.buffer is not None:
-            self._allocation.buffer.close()
+        # Removes the file's name; vLLM's tensors keep the mapping for as long as they live. (A CUDA
+        # KV cache is vLLM's tensor: it goes with the engine.)
+        allocation = self._allocation
+        if isinstance(allocation, ShmKvAllocation) and allocation.buffer is not None:
+            allocation.buffer.close()
