@@ -46,6 +46,8 @@ from engine_shim.vllm.kv_cuda import CudaKvAllocation, with_conf_flag  # noqa: E
 from engine_shim.vllm.kv_layout import KvLayoutError  # noqa: E402
 from kvsidecar.v1 import common_pb2  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama  # noqa: E402
+from tests.support.vllm_kv_views import LAYOUTS, kv_cache_views  # noqa: E402
+from tests.support.vllm_shaped_worker import CASES, VllmShapedWorker, move  # noqa: E402
 
 FAKE_HANDLE = bytes(range(64))
 SEGMENT_OFFSET = 8192  # where the fake allocation sits inside its (fake) cudaMalloc segment
@@ -306,7 +308,7 @@ def test_older_vllms_kv_split_shape_is_refused(real_config: Any, on_gpu: FakeCud
     per_layer = memory.view(torch.float16).view(LAYERS, 2, BLOCKS, 32, 2, 32)
     caches = {f"model.layers.{i}.self_attn.attn": FakeCudaTensor(per_layer[i], storage) for i in range(LAYERS)}
     try:
-        with pytest.raises(NotImplementedError, match="2 blocks per layer, not a multiple of vLLM's 6 blocks"):
+        with pytest.raises(KvLayoutError, match="holds 2 blocks, not a multiple of vLLM's 6 blocks"):
             connector.register_kv_caches(caches)  # type: ignore[arg-type]
     finally:
         connector.shutdown()
@@ -377,6 +379,57 @@ def test_memory_export_settings_on_a_gpu(
         finally:
             connector.shutdown()
     assert on_gpu.calls == []
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda layout: layout.name)
+@pytest.mark.parametrize("mla", [False, True], ids=["attention", "mla"])
+def test_the_gpu_harness_makes_the_views_vllm_makes(layout: KVCacheLayout, mla: bool) -> None:
+    """tests/test_gpu_vllm_hooks.py builds vLLM's views without vLLM (it is not on the GPU
+    machine): they must be vLLM 0.32's own, layout by layout."""
+    if mla:
+        spec: Any = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=96, dtype=torch.bfloat16)
+    else:
+        spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float16)
+    config = kv_config(spec, layout)
+    theirs = allocate_kv_cache(config, torch.device("cpu"), layout)
+    raw = torch.zeros(config.kv_cache_tensors[0].size, dtype=torch.int8)
+    ours = kv_cache_views(
+        raw,
+        layout.name,
+        LAYERS,
+        BLOCKS,
+        spec.num_kv_heads,
+        32,
+        spec.page_size_bytes // (32 * spec.num_kv_heads),
+        spec.dtype,
+    )
+    assert LAYOUTS[layout.name] == layout.value
+    for view, (name, vllm_view) in zip(ours, theirs.items(), strict=True):
+        assert (view.shape, view.stride(), view.storage_offset(), view.dtype) == (
+            vllm_view.shape, vllm_view.stride(), vllm_view.storage_offset(), vllm_view.dtype
+        ), name  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllms_gpu_layouts_move_intact_through_real_sidecars_on_host_memory(sidecars: Any, case: str) -> None:
+    """The GPU harness's cases (tests/test_gpu_vllm_hooks.py) with the KV in shared memory: the
+    descriptions (NHD -> HND conversion, interleaved layers' block strides, MLA's one head) move
+    every token intact through two real sidecars."""
+    p_layout, d_layout, heads, head_size, mla, mode = CASES[case]
+    p_side, d_side = sidecars("p"), sidecars("d")
+    roles = (common_pb2.ENGINE_ROLE_PRODUCER, common_pb2.ENGINE_ROLE_CONSUMER)
+    producer = VllmShapedWorker(p_side, "P", roles[0], p_layout, heads, head_size, mla, memory="shm")
+    consumer = VllmShapedWorker(d_side, "D", roles[1], d_layout, heads, head_size, mla, memory="shm")
+    try:
+        assert (producer.described.kind, consumer.described.kind) == (
+            "HND" if mla or p_layout[2] == "H" else "NHD",
+            "HND" if mla or d_layout[2] == "H" else "NHD",
+        )
+        move(producer, consumer, mode, case)
+    finally:
+        producer.close()
+        consumer.close()
 
 
 def mla_config(tmp_path: Path) -> Any:

@@ -1,7 +1,8 @@
 """How one vLLM worker's KV cache tensors are described to the sidecar: one region per layer (offset,
-block length, block stride) and the layout inside a block. Pure: it reads shapes and strides only
-(no vLLM, no CUDA, no I/O), so the GPU harness uses it where vLLM is not installed. Called on vLLM's
-worker thread by ``WorkerSide`` during ``register_kv_caches``.
+block length, block stride), the layout inside a block, and one export per storage. It reads shapes
+and strides only and exports through the function it is given (no vLLM, no CUDA), so the GPU
+harness runs it where vLLM is not installed. Called on vLLM's worker thread by ``WorkerSide``
+during ``register_kv_caches``.
 
 What vLLM 0.32 hands a connector (``vllm/v1/kv_cache_interface.py: create_kv_cache_views``): for
 every attention backend the same per-layer view ``[B, H, N, C]`` (kernel blocks, KV heads, tokens
@@ -38,8 +39,11 @@ an opaque block-contiguous slab when every block is one dense run, and named by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from kvsidecar.v1 import engine_pb2
 
 HEAD_MAJOR = "HND"
 TOKEN_MAJOR = "NHD"
@@ -60,6 +64,8 @@ class TensorLike(Protocol):
 
     def dim(self) -> int: ...
 
+    def untyped_storage(self) -> Any: ...
+
 
 class KvLayoutError(NotImplementedError):
     """A KV cache tensor this shim cannot describe to the sidecar; the message says why."""
@@ -74,6 +80,82 @@ class LayerKv:
     block_stride: int
     num_blocks: int
     kind: str | None  # HEAD_MAJOR / TOKEN_MAJOR; None: opaque block-contiguous (named by the caller)
+
+
+@dataclass
+class DescribedKv:
+    """A worker's KV caches as a registration lists them."""
+
+    exports: list[engine_pb2.MemoryExport] = field(default_factory=list)
+    regions: list[engine_pb2.KvRegion] = field(default_factory=list)
+    num_blocks: int = 0
+    kind: str | None = None
+
+
+def describe_caches(
+    kv_caches: Mapping[str, TensorLike],
+    group_of: Mapping[str, int],
+    export: Callable[[Any], engine_pb2.MemoryExport],
+    *,
+    logical_blocks: int,
+    num_kv_heads: int,
+    is_mla: bool,
+    backend: str,
+) -> DescribedKv:
+    """The regions of the layers in ``group_of`` (name -> KV cache group index), in ``kv_caches``'
+    order, and one export per storage (``export(storage)``); a layer sharing another's KV is listed
+    once. Every layer holds the same number of kernel blocks, a multiple of vLLM's
+    ``logical_blocks``. ``KvLayoutError`` or ``NotImplementedError`` with the reason when the sidecar cannot
+    address them."""
+    described = DescribedKv()
+    export_of: dict[int, int] = {}
+    seen: set[tuple[int, int]] = set()
+    kinds: set[str | None] = set()
+    for name, tensor in kv_caches.items():
+        if name not in group_of:
+            continue
+        # Described before anything is exported: a layout the sidecar cannot address is refused
+        # with the reason before the torch shm fallback would copy the cache.
+        layer = describe_layer(name, tensor, num_kv_heads=num_kv_heads, is_mla=is_mla, backend=backend)
+        if layer.num_blocks % logical_blocks:
+            raise KvLayoutError(
+                f"SidecarConnector: the KV cache of {name} holds {layer.num_blocks} blocks, not a multiple of "
+                f"vLLM's {logical_blocks} blocks (attention backend {backend}, shape {tuple(tensor.shape)})"
+            )
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in export_of:
+            export_of[key] = len(described.exports)
+            described.exports.append(export(storage))
+            key = storage.data_ptr()  # the torch shm fallback moves the storage
+            export_of[key] = len(described.exports) - 1
+        view = (key, layer.offset)
+        if view in seen:
+            continue  # a layer sharing another layer's KV cache
+        seen.add(view)
+        if described.num_blocks and layer.num_blocks != described.num_blocks:
+            raise NotImplementedError("SidecarConnector needs the same number of blocks in every layer")
+        described.num_blocks = layer.num_blocks
+        kinds.add(layer.kind)
+        described.regions.append(
+            engine_pb2.KvRegion(
+                name=name,
+                export_index=export_of[key],
+                offset=layer.offset,
+                block_len=layer.block_len,
+                block_stride=layer.block_stride,
+                group_id=group_of[name],
+            )
+        )
+    if not described.regions:
+        raise RuntimeError("SidecarConnector: vLLM registered no transferable KV cache layers")
+    if len(kinds) > 1:
+        raise NotImplementedError(
+            f"SidecarConnector: the layers' KV caches are laid out differently ({sorted(map(str, kinds))}, "
+            f"attention backend {backend})"
+        )
+    (described.kind,) = kinds
+    return described
 
 
 def describe_layer(name: str, tensor: TensorLike, *, num_kv_heads: int, is_mla: bool, backend: str) -> LayerKv:

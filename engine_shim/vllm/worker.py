@@ -55,7 +55,7 @@ from engine_shim.vllm.compat import (
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.input_wake import WakeListener, socket_name
 from engine_shim.vllm.kv_cuda import CudaKvAllocation
-from engine_shim.vllm.kv_layout import TOKEN_MAJOR, describe_layer
+from engine_shim.vllm.kv_layout import TOKEN_MAJOR, describe_caches
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.stats import SidecarKVConnectorStats
@@ -206,51 +206,17 @@ class WorkerSide:
         for index, group_id in enumerate(transfer_groups):
             for name in config.kv_cache_groups[group_id].layer_names:
                 group_of[name] = index
-        exports: list[engine_pb2.MemoryExport] = []
-        export_of: dict[int, int] = {}
-        regions: list[engine_pb2.KvRegion] = []
-        kinds: set[str | None] = set()
-        seen: set[tuple[int, int]] = set()
-        num_blocks = 0
-        for name, tensor in kv_caches.items():
-            if name not in group_of:
-                continue
-            # Described before anything is exported: a layout the sidecar cannot address is refused
-            # with the reason before the torch shm fallback would copy the cache.
-            layer = describe_layer(name, tensor, num_kv_heads=num_kv_heads, is_mla=is_mla, backend=backend)
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key not in export_of:
-                export_of[key] = len(exports)
-                exports.append(export_storage(storage, self._allocation, self.config.memory_export))
-                key = storage.data_ptr()  # the torch shm fallback moves the storage
-                export_of[key] = len(exports) - 1
-            view = (key, layer.offset)
-            if view in seen:
-                continue  # a layer sharing another layer's KV cache
-            seen.add(view)
-            if num_blocks and layer.num_blocks != num_blocks:
-                raise NotImplementedError("SidecarConnector needs the same number of blocks in every layer")
-            num_blocks = layer.num_blocks
-            kinds.add(layer.kind)
-            regions.append(
-                engine_pb2.KvRegion(
-                    name=name,
-                    export_index=export_of[key],
-                    offset=layer.offset,
-                    block_len=layer.block_len,
-                    block_stride=layer.block_stride,
-                    group_id=group_of[name],
-                )
-            )
-        if not regions:
-            raise RuntimeError("SidecarConnector: vLLM registered no transferable KV cache layers")
+        described = describe_caches(
+            kv_caches,
+            group_of,
+            lambda storage: export_storage(storage, self._allocation, self.config.memory_export),
+            logical_blocks=max(1, config.num_blocks),
+            num_kv_heads=num_kv_heads,
+            is_mla=is_mla,
+            backend=backend,
+        )
+        num_blocks = described.num_blocks
         logical = max(1, config.num_blocks)
-        if num_blocks % logical:
-            raise NotImplementedError(
-                f"SidecarConnector: the KV cache tensors hold {num_blocks} blocks per layer, not a multiple of "
-                f"vLLM's {logical} blocks (attention backend {backend})"
-            )
         return engine_pb2.RegisterWorkerRequest(
             engine_id=self.engine_id,
             role=self.role,
@@ -261,7 +227,7 @@ class WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=self._layout_name(kinds, backend),
+                kv_layout=self._layout_name(described.kind),
                 num_blocks=num_blocks,
                 num_kv_heads=num_kv_heads,
                 total_num_kv_heads=model.get_total_num_kv_heads(),
@@ -269,23 +235,17 @@ class WorkerSide:
                 head_size=int(model.get_head_size()),
                 dtype=cache_dtype(self.vllm_config),
             ),
-            exports=exports,
-            regions=regions,
+            exports=described.exports,
+            regions=described.regions,
             compat_factors=compat_factors(self.vllm_config),
             engine_version=f"vllm {vllm_version()}",
             pid=os.getpid(),
         )
 
-    def _layout_name(self, kinds: set[str | None], backend: str) -> str:
+    def _layout_name(self, kind: str | None) -> str:
         """The geometry's layout name: vLLM's CPU layout by its ISA on the CPU (head-major blocks
         only); on a GPU what the strides showed (``kv_layout``: HND or NHD), or vLLM's own name for
         an opaque block-contiguous cache."""
-        if len(kinds) > 1:
-            raise NotImplementedError(
-                f"SidecarConnector: the layers' KV caches are laid out differently ({sorted(map(str, kinds))}, "
-                f"attention backend {backend})"
-            )
-        (kind,) = kinds
         if is_cpu(self.vllm_config):
             if kind == TOKEN_MAJOR:
                 raise NotImplementedError(
