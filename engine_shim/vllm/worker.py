@@ -1,8 +1,9 @@
 """The worker role: one TP/PP rank's KV registration and transfer completions (one instance per
 rank, in vLLM's worker process).
 
-It owns the rank's KV cache export (``engine_shim.vllm.kv_memory``), its registration with the
-sidecar (``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
+It owns the rank's KV cache allocation hook and export (``engine_shim.vllm.kv_memory`` in DRAM,
+``kv_cuda`` on a GPU), its description (``kv_layout``), its registration with the sidecar
+(``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
 (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
 that in a step where vLLM scheduled no token while transfers are outstanding,
 ``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
