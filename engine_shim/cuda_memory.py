@@ -1,9 +1,10 @@
 """Exporting an engine worker's KV memory in GPU memory to the sidecar, through CUDA IPC.
 
-``export_cuda_tensor`` is what a GPU engine's shim does with its KV cache tensors: it asks PyTorch
-for the IPC handle of the allocation that holds the tensor (PyTorch's caching allocator hands out
-ranges of larger segments, so the export carries the tensor's offset inside the allocation) and
-describes it as a ``MemoryExport`` of kind VRAM. The sidecar opens the handle in its own process
+``export_cuda_tensor`` (a tensor) and ``export_cuda_storage`` (a whole storage: the vLLM shim's KV
+cache) are what a GPU engine's shim does with its KV cache: they ask PyTorch for the IPC handle of
+the allocation that holds it (PyTorch's caching allocator hands out ranges of larger segments, so
+the export carries the offset inside the allocation) and describe it as a ``MemoryExport`` of kind
+VRAM. The sidecar opens the handle in its own process
 (``sidecar/dataplane/cuda_ipc.py``) and registers the device pointer with NIXL; the engine keeps
 its tensor alive for as long as the worker is registered.
 
@@ -38,13 +39,21 @@ def export_cuda_tensor(tensor: Any) -> engine_pb2.MemoryExport:
     """A VRAM ``MemoryExport`` of a contiguous CUDA tensor's bytes."""
     if not tensor.is_cuda or not tensor.is_contiguous():
         raise ValueError("only a contiguous CUDA tensor can be exported")
-    shared = tensor.untyped_storage()._share_cuda_()
+    element = tensor.element_size()
+    return export_cuda_storage(tensor.untyped_storage(), tensor.storage_offset() * element, tensor.numel() * element)
+
+
+def export_cuda_storage(storage: Any, offset: int = 0, length: int | None = None) -> engine_pb2.MemoryExport:
+    """A VRAM ``MemoryExport`` of ``length`` bytes (default: to its end) from ``offset`` in a CUDA
+    storage (e.g. a vLLM worker's whole KV cache, ``engine_shim.vllm.kv_cuda``). The handle names the
+    allocator's segment that holds the storage; the export's offset adds the storage's place in it."""
+    shared = storage._share_cuda_()
     device, handle, _storage_bytes, storage_offset = shared[0], shared[1], shared[2], shared[3]
     return engine_pb2.MemoryExport(
         kind=common_pb2.MEMORY_KIND_VRAM,
         cuda_ipc_handle=ipc_handle(bytes(handle)),
-        offset=int(storage_offset) + tensor.storage_offset() * tensor.element_size(),
-        length=tensor.numel() * tensor.element_size(),
+        offset=int(storage_offset) + offset,
+        length=storage.nbytes() - offset if length is None else length,
         device_id=int(device),
     )
 

@@ -58,7 +58,8 @@ def data_parallel_rank(vllm_config: VllmConfig) -> int:
     return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
 
 
-def _attention_backends(vllm_config: VllmConfig) -> str:
+def attention_backends(vllm_config: VllmConfig) -> str:
+    """The names of the worker's attention backends (for the compatibility factors and errors)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
@@ -85,7 +86,7 @@ def compat_factors(vllm_config: VllmConfig) -> dict[str, str]:
         "num_kv_heads": str(model.get_total_num_kv_heads()),
         "head_size": str(model.get_head_size()),
         "num_layers": str(model.get_total_num_hidden_layers()),
-        "attention_backend": _attention_backends(vllm_config),
+        "attention_backend": attention_backends(vllm_config),
         "cache_dtype": str(cache.cache_dtype),
         "device": "cpu" if is_cpu(vllm_config) else "gpu",
     }
@@ -99,7 +100,9 @@ def kv_layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str
     """The layout of the KV cache this worker was given: what the engine core resolved and every
     worker adopted (``kv_cache_config.kv_cache_layout``); an older vLLM that does not say used the
     layout this connector requires. Sent in the worker's geometry, where the sidecar plans and
-    converts per transfer; it is not a compatibility factor.
+    converts per transfer; it is not a compatibility factor. On a GPU the worker names vLLM 0.32's
+    [B, H, N, C] views by what their strides show instead (``kv_layout``: HND or NHD), and uses
+    this name only for a cache that is not such a view.
 
     vLLM's CPU attention lays out each (block, head) by its ISA (with "vec", K is stored
     transposed, [head_size, tokens], then V as [tokens, head_size]): heads are contiguous, but it

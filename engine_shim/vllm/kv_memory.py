@@ -17,8 +17,12 @@ is removed by its sidecar or by the next engine that starts), nothing is copied 
 it does not depend on torch's shm manager process or sharing strategy. Its one dependency on
 vLLM internals (a single int8 ``torch.zeros`` of the size ``kv_cache_config`` announces) fails
 safe: if it does not match, method 2 takes over. ``kv_connector_extra_config.memory_export``
-("auto" | "mem_pool" | "torch_shm") forces one of them. GPU engines would export VRAM through
-CUDA IPC; that path is not implemented here and the worker refuses non-CPU KV caches clearly.
+("auto" | "mem_pool" | "torch_shm") forces one of them.
+
+On a GPU the KV cache stays in VRAM and is exported over CUDA IPC: ``engine_shim.vllm.kv_cuda``
+has the allocation hook (method 1's counterpart), and ``export_storage`` exports a CUDA storage
+through ``engine_shim.cuda_memory.export_cuda_storage`` (whether or not the hook made it; "mem_pool"
+insists that it did, "torch_shm" leaves vLLM's allocation alone).
 
 Runs on vLLM's worker thread (allocation during model set-up, export during ``register_kv_caches``).
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +39,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from vllm.logger import init_logger
 
+from engine_shim.cuda_memory import export_cuda_storage
 from engine_shim.memory import SharedBuffer
 from engine_shim.vllm.config import SHM_DIR
+from engine_shim.vllm.kv_cuda import CudaKvAllocation, single_size
 from kvsidecar.shm import VLLM_PREFIX, remove_orphans
 from kvsidecar.v1 import common_pb2, engine_pb2
 
@@ -76,14 +82,9 @@ class ShmKvAllocation(TorchFunctionMode):
         logger.info("SidecarConnector: KV cache (%d bytes) allocated in shared memory %s", size, self.path)
         return tensor
 
-
-def single_size(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int | None:
-    value = args[0] if args else kwargs.get("size")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, (tuple, list, torch.Size)) and len(value) == 1 and isinstance(value[0], int):
-        return int(value[0])
-    return None
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """True if ``storage`` is the KV cache this hook allocated."""
+        return self.buffer is not None and bool(self.data_ptr) and self.data_ptr == storage.data_ptr()
 
 
 def shm_allocation(directory: Path, engine_id: str, rank: str, sizes: set[int]) -> ShmKvAllocation:
@@ -95,20 +96,28 @@ def shm_allocation(directory: Path, engine_id: str, rank: str, sizes: set[int]) 
 
 
 def export_storage(
-    storage: torch.UntypedStorage, allocation: ShmKvAllocation | None, memory_export: str
+    storage: torch.UntypedStorage, allocation: ShmKvAllocation | CudaKvAllocation | None, memory_export: str
 ) -> engine_pb2.MemoryExport:
-    """The export of one KV storage: the hook's file when it made this storage, else (method 2)
-    a torch shm file the storage is moved into."""
+    """The export of one KV storage: over CUDA IPC on a GPU; on the CPU the hook's file when it made
+    this storage, else (method 2) a torch shm file the storage is moved into."""
     nbytes = storage.nbytes()
-    if allocation is not None and allocation.buffer is not None and allocation.data_ptr == storage.data_ptr():
-        return allocation.buffer.export(0, nbytes)
-    if memory_export == "mem_pool":
+    made = allocation is not None and allocation.holds(storage)
+    if memory_export == "mem_pool" and not made:
         raise RuntimeError(
             "SidecarConnector: memory_export='mem_pool' but vLLM did not allocate the KV cache through "
-            "get_mem_pool_context(); use memory_export='auto' to fall back to torch shared memory"
+            "get_mem_pool_context(); use memory_export='auto' to fall back to "
+            + ("the allocation vLLM made" if storage.device.type == "cuda" else "torch shared memory")
         )
+    if storage.device.type == "cuda":
+        if not made:
+            logger.info("SidecarConnector: exporting the KV cache's CUDA allocation as vLLM made it")
+        return export_cuda_storage(storage)
+    if isinstance(allocation, ShmKvAllocation) and made and allocation.buffer is not None:
+        return allocation.buffer.export(0, nbytes)
     if storage.device.type != "cpu":
-        raise NotImplementedError(f"SidecarConnector exports DRAM KV caches only; this one lives on {storage.device}")
+        raise NotImplementedError(
+            f"SidecarConnector exports KV caches in DRAM or CUDA memory; this one lives on {storage.device}"
+        )
     # Fallback: move the storage into a torch-managed shm file (copies it once) and export the
     # bytes after the file's refcount header.
     _, name, _ = storage._share_filename_cpu_()

@@ -1,8 +1,9 @@
 """The worker role: one TP/PP rank's KV registration and transfer completions (one instance per
 rank, in vLLM's worker process).
 
-It owns the rank's KV cache export (``engine_shim.vllm.kv_memory``), its registration with the
-sidecar (``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
+It owns the rank's KV cache allocation hook and export (``engine_shim.vllm.kv_memory`` in DRAM,
+``kv_cuda`` on a GPU), its description (``kv_layout``), its registration with the sidecar
+(``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
 (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
 that in a step where vLLM scheduled no token while transfers are outstanding,
 ``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
@@ -43,6 +44,7 @@ from vllm.logger import init_logger
 
 from engine_shim.client import EventWatcher, SidecarClient
 from engine_shim.vllm.compat import (
+    attention_backends,
     cache_dtype,
     compat_factors,
     data_parallel_rank,
@@ -53,6 +55,8 @@ from engine_shim.vllm.compat import (
 )
 from engine_shim.vllm.config import ROLES, ShimConfig
 from engine_shim.vllm.input_wake import WakeListener, socket_name
+from engine_shim.vllm.kv_cuda import CudaKvAllocation
+from engine_shim.vllm.kv_layout import TOKEN_MAJOR, describe_caches
 from engine_shim.vllm.kv_memory import ShmKvAllocation, export_storage, shm_allocation
 from engine_shim.vllm.metadata import SidecarConnectorMetadata
 from engine_shim.vllm.stats import SidecarKVConnectorStats
@@ -127,7 +131,7 @@ class WorkerSide:
             socket_name(self.engine_id, data_parallel_rank(vllm_config), self.tp_rank, self.pp_rank),
             lambda: self._inbox.put(_WAKE),
         )
-        self._allocation: ShmKvAllocation | None = None
+        self._allocation: ShmKvAllocation | CudaKvAllocation | None = None
         self._registration: engine_pb2.RegisterWorkerRequest | None = None
         self._watcher: EventWatcher | None = None
         self._watcher_lock = threading.Lock()
@@ -160,11 +164,16 @@ class WorkerSide:
     # memory export -----------------------------------------------------------------------------
 
     def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
-        if self.config.memory_export == "torch_shm" or not is_cpu(self.vllm_config):
+        """The KV allocation hook: a shared-memory file on the CPU (``kv_memory``), an exportable
+        CUDA segment on a GPU (``kv_cuda``); None leaves vLLM's allocation alone ("torch_shm")."""
+        if self.config.memory_export == "torch_shm":
             return None
         sizes = {tensor.size for tensor in self.kv_cache_config.kv_cache_tensors}
         if not sizes:
             return None
+        if not is_cpu(self.vllm_config):
+            self._allocation = CudaKvAllocation(sizes)
+            return self._allocation
         rank = f"pp{self.pp_rank}-tp{self.tp_rank}"
         self._allocation = shm_allocation(Path(self.config.shm_dir), self.engine_id, rank, sizes)
         return self._allocation
@@ -188,55 +197,27 @@ class WorkerSide:
 
     def _build_registration(self, kv_caches: Mapping[str, torch.Tensor]) -> engine_pb2.RegisterWorkerRequest:
         config = self.kv_cache_config
+        model = self.vllm_config.model_config
+        parallel = self.vllm_config.parallel_config
+        num_kv_heads = model.get_num_kv_heads(parallel)
+        is_mla = bool(model.use_mla)
+        backend = attention_backends(self.vllm_config)
         transfer_groups = list(config.transfer_group_ids)
         group_of: dict[str, int] = {}
         for index, group_id in enumerate(transfer_groups):
             for name in config.kv_cache_groups[group_id].layer_names:
                 group_of[name] = index
-        exports: list[engine_pb2.MemoryExport] = []
-        export_of: dict[int, int] = {}
-        regions: list[engine_pb2.KvRegion] = []
-        seen: set[tuple[int, int]] = set()
-        num_blocks = 0
-        for name, tensor in kv_caches.items():
-            if name not in group_of:
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key not in export_of:
-                export_of[key] = len(exports)
-                exports.append(export_storage(storage, self._allocation, self.config.memory_export))
-                key = storage.data_ptr()  # the torch shm fallback moves the storage
-                export_of[key] = len(exports) - 1
-            element = tensor.element_size()
-            offset = int(tensor.storage_offset())
-            view = (key, offset)
-            if view in seen:
-                continue  # a layer sharing another layer's KV cache
-            seen.add(view)
-            if tensor.dim() < 2 or not tensor[0].is_contiguous():
-                raise NotImplementedError(
-                    f"SidecarConnector needs block-contiguous KV caches (layout LBHNC); {name} has shape "
-                    f"{tuple(tensor.shape)} and strides {tensor.stride()}"
-                )
-            if num_blocks and tensor.shape[0] != num_blocks:
-                raise NotImplementedError("SidecarConnector needs the same number of blocks in every layer")
-            num_blocks = int(tensor.shape[0])
-            regions.append(
-                engine_pb2.KvRegion(
-                    name=name,
-                    export_index=export_of[key],
-                    offset=offset * element,
-                    block_len=tensor[0].numel() * element,
-                    block_stride=tensor.stride(0) * element,
-                    group_id=group_of[name],
-                )
-            )
-        if not regions:
-            raise RuntimeError("SidecarConnector: vLLM registered no transferable KV cache layers")
+        described = describe_caches(
+            kv_caches,
+            group_of,
+            lambda storage: export_storage(storage, self._allocation, self.config.memory_export),
+            logical_blocks=max(1, config.num_blocks),
+            num_kv_heads=num_kv_heads,
+            is_mla=is_mla,
+            backend=backend,
+        )
+        num_blocks = described.num_blocks
         logical = max(1, config.num_blocks)
-        model = self.vllm_config.model_config
-        parallel = self.vllm_config.parallel_config
         return engine_pb2.RegisterWorkerRequest(
             engine_id=self.engine_id,
             role=self.role,
@@ -247,20 +228,33 @@ class WorkerSide:
             geometry=common_pb2.KvGeometry(
                 block_size=self.vllm_config.cache_config.block_size,
                 physical_blocks_per_logical=max(1, num_blocks // logical),
-                kv_layout=kv_layout_of(self.vllm_config, config),
+                kv_layout=self._layout_name(described.kind),
                 num_blocks=num_blocks,
-                num_kv_heads=model.get_num_kv_heads(parallel),
+                num_kv_heads=num_kv_heads,
                 total_num_kv_heads=model.get_total_num_kv_heads(),
-                is_mla=bool(model.use_mla),
+                is_mla=is_mla,
                 head_size=int(model.get_head_size()),
                 dtype=cache_dtype(self.vllm_config),
             ),
-            exports=exports,
-            regions=regions,
+            exports=described.exports,
+            regions=described.regions,
             compat_factors=compat_factors(self.vllm_config),
             engine_version=f"vllm {vllm_version()}",
             pid=os.getpid(),
         )
+
+    def _layout_name(self, kind: str | None) -> str:
+        """The geometry's layout name: vLLM's CPU layout by its ISA on the CPU (head-major blocks
+        only); on a GPU what the strides showed (``kv_layout``: HND or NHD), or vLLM's own name for
+        an opaque block-contiguous cache."""
+        if is_cpu(self.vllm_config):
+            if kind == TOKEN_MAJOR:
+                raise NotImplementedError(
+                    "SidecarConnector: vLLM's CPU KV cache is token-major (LBNHC); its CPU attention reads "
+                    "head-major blocks only, which the sidecar's CPU layout assumes"
+                )
+            return kv_layout_of(self.vllm_config, self.kv_cache_config)
+        return kind or kv_layout_of(self.vllm_config, self.kv_cache_config)
 
     # connection (init thread, then the supervisor thread) ---------------------------------------
 
@@ -582,9 +576,13 @@ class WorkerSide:
     def shm_paths(self) -> list[Path]:
         """The KV file this worker exported, if it made one (tests and debugging)."""
         allocation = self._allocation
-        return [allocation.path] if allocation is not None and allocation.buffer is not None else []
+        if isinstance(allocation, ShmKvAllocation) and allocation.buffer is not None:
+            return [allocation.path]
+        return []
 
     def _close_shm(self) -> None:
-        # Removes the file's name; vLLM's tensors keep the mapping for as long as they live.
-        if self._allocation is not None and self._allocation.buffer is not None:
-            self._allocation.buffer.close()
+        # Removes the file's name; vLLM's tensors keep the mapping for as long as they live. (A CUDA
+        # KV cache is vLLM's tensor: it goes with the engine.)
+        allocation = self._allocation
+        if isinstance(allocation, ShmKvAllocation) and allocation.buffer is not None:
+            allocation.buffer.close()
