@@ -1,13 +1,15 @@
 """``FakeCudaDriver``: a stand-in for the CUDA driver (``sidecar.dataplane.cuda_ipc.CudaDriver``),
 for tests on machines without a GPU only.
 
-"Device memory" is host memory: ``allocate`` gives a buffer whose address plays the device
-pointer and a 64-byte handle naming it, which ``open`` (cuIpcOpenMemHandle) resolves back to the
-same address (one process: no second mapping). Copies run with ``memmove`` when they are enqueued;
-the events recorded after them complete at once. Every copy whose address falls in an allocation
-this fake ever made must lie wholly in a live one, else its event fails with CUDA's illegal-address
-error (a stale pointer after a peer's restart is caught, not written through); other addresses
-are host memory (the sidecar's shm mappings, pinned host buffers).
+"Device memory" is host memory: ``allocate`` gives a buffer (a memfd mapping) whose address plays
+the engine's device pointer and a 64-byte handle naming it. ``open`` (cuIpcOpenMemHandle) maps the
+same memory again at another address, as a second process would see it, so a sidecar that used
+the exporter's addresses (or another sidecar's) instead of its own would be caught. Copies run
+with ``memmove`` when they are enqueued; the events recorded after them complete at once. Every
+copy whose address falls in an allocation or an opened alias this fake ever made must lie wholly
+in a live one (an alias still open, of memory not freed), else its event fails with CUDA's
+illegal-address error: a stale pointer after a peer's restart is caught, not written through.
+Other addresses are host memory (the sidecar's shm mappings, pinned host buffers).
 
 What it is not: CUDA. No device, no DMA, no asynchrony unless told. Tests control it:
 - ``has_batch``: False stands for a driver older than CUDA 12.8 (one cuMemcpyAsync per run);
@@ -20,6 +22,8 @@ What it is not: CUDA. No device, no DMA, no asynchrony unless told. Tests contro
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -36,11 +40,13 @@ _ILLEGAL_ADDRESS = "CUDA error 700 (an illegal memory access was encountered)"
 
 @dataclass(eq=False)
 class FakeAllocation:
-    """A fake device allocation: ``pointer`` is a host address; ``handle`` its IPC handle."""
+    """A fake device allocation: ``pointer`` is a host address (the engine's); ``handle`` its
+    IPC handle; ``array`` the bytes as the engine sees them."""
 
     serial: int
     device_id: int
     array: np.ndarray
+    fd: int
     live: bool = True
 
     @property
@@ -59,6 +65,20 @@ class FakeAllocation:
     def view(self, offset: int = 0, length: int | None = None) -> np.ndarray:
         end = self.nbytes if length is None else offset + length
         return self.array[offset:end]
+
+
+@dataclass(eq=False)
+class _Alias:
+    """An opened handle: the allocation's memory mapped again (never unmapped: a stale use must
+    fail the copy, not crash the test process)."""
+
+    allocation: FakeAllocation
+    array: np.ndarray
+    open: bool = True
+
+    @property
+    def pointer(self) -> int:
+        return int(self.array.ctypes.data)
 
 
 @dataclass
@@ -86,7 +106,7 @@ class FakeCudaDriver:
     _since_event: dict[int, int] = field(default_factory=dict)  # stream -> launches since its last event
     _errors: dict[int, str] = field(default_factory=dict)  # stream -> error of a copy since its last event
     _events: dict[int, _Event] = field(default_factory=dict)
-    _open_counts: dict[int, int] = field(default_factory=dict)
+    _aliases: list[_Alias] = field(default_factory=list)
 
     # --- test controls ---
 
@@ -99,9 +119,14 @@ class FakeCudaDriver:
 
     def __exit__(self, *exc: object) -> None:
         cuda_ipc.set_driver_for_tests(None)
+        for allocation in self.allocations:
+            os.close(allocation.fd)
+        self.allocations.clear()
 
     def allocate(self, nbytes: int, device_id: int = 0) -> FakeAllocation:
-        allocation = FakeAllocation(len(self.allocations) + 1, device_id, np.zeros(nbytes, dtype=np.uint8))
+        fd = os.memfd_create("fake-cuda", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        allocation = FakeAllocation(len(self.allocations) + 1, device_id, _map(fd, nbytes), fd)
         self.allocations.append(allocation)
         return allocation
 
@@ -111,7 +136,12 @@ class FakeCudaDriver:
 
     @property
     def open_pointers(self) -> set[int]:
-        return {pointer for pointer, count in self._open_counts.items() if count > 0}
+        """Where the handles still open are mapped (the importers' addresses)."""
+        return {alias.pointer for alias in self._aliases if alias.open}
+
+    def opened_allocations(self) -> list[FakeAllocation]:
+        """The allocations with a handle open now (one entry per open)."""
+        return [alias.allocation for alias in self._aliases if alias.open]
 
     @property
     def launches(self) -> int:
@@ -137,14 +167,16 @@ class FakeCudaDriver:
         allocation = next((a for a in self.allocations if a.serial == serial and a.pointer == pointer), None)
         if allocation is None or not allocation.live:
             raise FailedPrecondition("cuIpcOpenMemHandle failed: CUDA error 1 (invalid argument)")
-        self.opens.append(pointer)
-        self._open_counts[pointer] = self._open_counts.get(pointer, 0) + 1
-        return OpenedHandle(pointer, nbytes, holder)
+        alias = _Alias(allocation, _map(allocation.fd, nbytes))
+        self._aliases.append(alias)
+        self.opens.append(alias.pointer)
+        return OpenedHandle(alias.pointer, nbytes, holder)
 
     def close(self, opened: OpenedHandle) -> None:
-        if self._open_counts.get(opened.pointer, 0) <= 0:
+        alias = next((a for a in self._aliases if a.pointer == opened.pointer and a.open), None)
+        if alias is None:
             raise FailedPrecondition("cuIpcCloseMemHandle failed: CUDA error 1 (invalid argument)")
-        self._open_counts[opened.pointer] -= 1
+        alias.open = False
         self.closes.append(opened.pointer)
 
     def create_stream(self) -> int:
@@ -204,9 +236,15 @@ class FakeCudaDriver:
             self.copies.append((dst, src, nbytes))
 
     def _valid(self, address: int, nbytes: int) -> bool:
-        """Host memory, or wholly inside one live fake allocation."""
-        for allocation in self.allocations:
-            start, end = allocation.pointer, allocation.pointer + allocation.nbytes
+        """Host memory, or wholly inside one live allocation or open alias of one."""
+        ranges = [(a.pointer, a.nbytes, a.live) for a in self.allocations]
+        ranges += [(a.pointer, a.allocation.nbytes, a.open and a.allocation.live) for a in self._aliases]
+        for start, size, live in ranges:
+            end = start + size
             if start <= address < end or start < address + nbytes <= end:
-                return allocation.live and start <= address and address + nbytes <= end
+                return live and start <= address and address + nbytes <= end
         return True
+
+
+def _map(fd: int, nbytes: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
