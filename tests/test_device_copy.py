@@ -309,6 +309,28 @@ def test_a_device_copy_that_never_completes_fails_the_load_at_its_deadline(
     asyncio.run(scenario())
 
 
+def test_an_engine_leaving_during_a_hung_copy_keeps_its_memory_open_until_the_copy_is_given_up(
+    tmp_path: Path, fake: FakeCudaDriver
+) -> None:
+    """A DMA cannot be called back: the worker's removal waits for the copy's deadline before the
+    sidecar closes the memory the copy writes into."""
+
+    async def scenario() -> None:
+        async with sidecar(tmp_path, "one", FakeFabric()) as side:
+            p, d = gpu_kv(fake, P), gpu_kv(fake, D)
+            await side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
+            await side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
+            fake.hang = True
+            await pull(side, side, "gone", [1], [2], timeout_seconds=0.5)
+            await asyncio.sleep(0.1)  # the copy is launched and hangs
+            worker = side.node.registry.worker(D, 0, 0)
+            assert worker is not None
+            await side.node.registrations.remove_worker(worker, "unregistered")
+            assert fake.calls == ["event_abandoned", "close"], fake.calls
+
+    asyncio.run(scenario())
+
+
 # --- two sidecars on one node -------------------------------------------------------------------
 
 

@@ -149,8 +149,19 @@ def _launch_and_wait(batches: dict[int, np.ndarray], deadline: float, not_after:
 
 async def run_copies(batches: dict[int, np.ndarray], deadline: float, not_after: float | None) -> CopyOutcome:
     """Launch ``batches`` (device -> Nx3 rows, addresses of this process) and wait for them, on a
-    copy thread; never raises for a copy's failure or its deadline (the outcome says why)."""
-    return await _in_copy_thread(_launch_and_wait, batches, deadline, not_after)
+    copy thread; never raises for a copy's failure or its deadline (the outcome says why).
+
+    A caller cancelled meanwhile (its engine is going) still waits for the copy thread, which
+    ends by ``deadline``: a DMA cannot be called back, and the memory it touches must not be
+    closed or handed back to the engine under it."""
+    future = asyncio.get_running_loop().run_in_executor(
+        _copy_executor(), _launch_and_wait, batches, deadline, not_after
+    )
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 # --- peer engines' memory, opened here ----------------------------------------------------------

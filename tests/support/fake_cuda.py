@@ -16,7 +16,8 @@ What it is not: CUDA. No device, no DMA, no asynchrony unless told. Tests contro
 - ``hang``: True makes every copy enqueued from then on never run and its event never complete
   (a GPU that hangs), for deadline tests;
 - ``batch_launches``: the driver calls each ``batch_copy`` made (one entry per recorded event);
-  ``opens``/``closes``: the handles opened and closed, in order.
+  ``opens``/``closes``: the handles opened and closed, in order; ``calls``: "close" and
+  "event_done"/"event_abandoned" in the order they happened (what ran before what).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class FakeCudaDriver:
     opens: list[int] = field(default_factory=list)
     closes: list[int] = field(default_factory=list)
     destroyed_events: int = 0
+    calls: list[str] = field(default_factory=list)
     _host: dict[int, np.ndarray] = field(default_factory=dict)
     _streams: dict[int, bool] = field(default_factory=dict)  # stream -> hung
     _since_event: dict[int, int] = field(default_factory=dict)  # stream -> launches since its last event
@@ -178,6 +180,7 @@ class FakeCudaDriver:
             raise FailedPrecondition("cuIpcCloseMemHandle failed: CUDA error 1 (invalid argument)")
         alias.open = False
         self.closes.append(opened.pointer)
+        self.calls.append("close")
 
     def create_stream(self) -> int:
         stream = 0x5000 + len(self._streams) + 1
@@ -207,8 +210,9 @@ class FakeCudaDriver:
         return state.ready
 
     def destroy_event(self, event: int) -> None:
-        self._events.pop(event)
+        state = self._events.pop(event)
         self.destroyed_events += 1
+        self.calls.append("event_done" if state.ready else "event_abandoned")
 
     def host_alloc(self, nbytes: int) -> int:
         array = np.zeros(nbytes, dtype=np.uint8)
