@@ -560,9 +560,14 @@ def wait_copy(pending: PendingCopy, timeout_s: float) -> None:
 
 
 def host_alloc(nbytes: int) -> int:
-    """Pinned host memory that every context may copy to and from (``cuMemHostAlloc``, portable)."""
-    return _get_driver().host_alloc(nbytes)
+    """Pinned host memory that every context may copy to and from (``cuMemHostAlloc``, portable;
+    the call needs a current context, device 0's: portable memory serves every device's)."""
+    driver = _get_driver()
+    driver.use_device(0)
+    return driver.host_alloc(nbytes)
 
 
 def host_free(pointer: int) -> None:
-    _get_driver().host_free(pointer)
+    driver = _get_driver()
+    driver.use_device(0)
+    driver.host_free(pointer)
