@@ -31,6 +31,9 @@ from sidecar.api.peer import PeerServicer
 from sidecar.config import Settings
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
+from sidecar.dataplane.device_copy import PeerWorkerMap, copy_rows, selected_descriptors
+from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
+from sidecar.dataplane.plan.layout import PlanError, RegionLayout, Slice, WorkerLayout
 from tests.support.fake_cuda import FakeAllocation, FakeCudaDriver
 from tests.support.fake_transport import FakeFabric
 
@@ -163,6 +166,42 @@ async def finished(p_side: Sidecar, d_side: Sidecar) -> None:
     assert received.kind == engine_pb2.FINISHED_RECEIVING, received
     sent = await p_side.event(P)
     assert sent.kind == engine_pb2.FINISHED_SENDING, sent
+
+
+# --- the pure parts -----------------------------------------------------------------------------
+
+
+def _worker(base: int = 1 << 32) -> WorkerLayout:
+    regions = tuple(RegionLayout(f"l{i}", base + i * 100_000, 512, 640, 0) for i in range(3))
+    return WorkerLayout(0, 0, regions, 40, 2, 16, "HND", 4, 8, False, device_id=1)
+
+
+@pytest.mark.parametrize("view", [Slice(0, 1), Slice(1, 2), Slice(3, 4)])
+def test_the_selected_descriptors_are_the_rows_nixl_would_have_taken(view: Slice) -> None:
+    worker = _worker()
+    ids = descriptor_indices(worker, [[3, 0, 17, 9]])
+    assert np.array_equal(selected_descriptors(worker, view, ids), view_descriptors(worker, view)[ids])
+
+
+def test_copy_rows_go_from_the_source_to_the_destination_and_refuse_mismatched_plans() -> None:
+    local = np.array([[100, 8, 0], [200, 16, 0]], dtype=np.uint64)
+    remote = np.array([[900, 8, 0], [700, 16, 0]], dtype=np.uint64)
+    assert copy_rows("READ", local, remote).tolist() == [[100, 900, 8], [200, 700, 16]]
+    assert copy_rows("WRITE", local, remote).tolist() == [[900, 100, 8], [700, 200, 16]]
+    with pytest.raises(PlanError, match="lengths differ"):
+        copy_rows("READ", local, remote[::-1].copy())
+
+
+def test_a_peers_regions_are_moved_onto_its_exports_opened_here_and_nothing_outside_them() -> None:
+    worker = _worker(base=1 << 32)
+    extent = 2 * 100_000 + 39 * 640 + 512
+    mapping = PeerWorkerMap(device_id=0, spans=(((1 << 32) - 64, extent + 64, 7 << 40),))
+    here = mapping.translate(worker)
+    assert [r.base for r in here.regions] == [(7 << 40) + 64 + i * 100_000 for i in range(3)]
+    assert here.device_id == 0 and here.regions[0].block_stride == 640
+    short = PeerWorkerMap(device_id=0, spans=(((1 << 32), extent - 1, 7 << 40),))
+    with pytest.raises(PlanError, match="outside the peer's advertised exports"):
+        short.translate(worker)
 
 
 # --- one sidecar --------------------------------------------------------------------------------
