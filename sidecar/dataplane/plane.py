@@ -23,6 +23,10 @@ off the loop within the transfer's deadline; then each target worker gets the no
 would have carried (delivered in-process for an engine of this sidecar, through the transport's
 notify for a peer sidecar's). The trace's completion event says ``path=device_copy`` (or
 ``path=nixl``) and measures the copy's own post -> done as ``copy_transfer``.
+
+Size (~750 lines): the device-copy path reuses ``run``'s pairing and notices, so it sits here;
+the next cut is the converted path's DRAM staging pipeline (``_staged`` and its helpers) into a
+module of its own, once the GPU branches that edit this file (host staging) have merged.
 """
 
 from __future__ import annotations
