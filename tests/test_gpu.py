@@ -1,7 +1,9 @@
 """The GPU path on a real GPU: simulated engines in their own processes keep their KV in CUDA
 memory and export it over CUDA IPC as a GPU shim would (``engine_shim.cuda_memory``); sidecar
-daemons open the handles and register the device memory with NIXL; pulls and pushes move it, and
-every token is checked on the receiving GPU.
+daemons open the handles; pulls and pushes move it, and every token is checked on the receiving
+GPU. Node-local VRAM (both engines on one sidecar, or a peer sidecar's VRAM engine on this node)
+moves by one batched device copy per request, never through NIXL: each such case checks the
+transfer's trace says ``path=device_copy`` (``sidecar/dataplane/device_copy.py``).
 
 Skipped, with the reason, where PyTorch sees no CUDA GPU (this project's CI machine). Runs on a GPU
 machine with ``pytest tests/test_gpu.py`` (``bench/README.md``, "The GPU path", has the command
@@ -10,13 +12,16 @@ used and its results).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
+import numpy as np
 import pytest
 
-from engine_shim.client import SidecarClient
+from engine_shim.client import SidecarClient, engine_channel
 from engine_shim.cuda_memory import CudaBuffer, cuda_available
 from engine_shim.memory import KvLayout, kv_registration
-from kvsidecar.v1 import common_pb2
+from kvsidecar.v1 import common_pb2, engine_pb2_grpc
 from tests.support.processes import EngineProcess, SidecarProcess, start_transfer
 
 NO_GPU = cuda_available()
@@ -34,8 +39,42 @@ def _engine(engines, side: SidecarProcess, name: str, role: str, memory: str, **
     return engines(side, name, role, memory=memory, head_size=CHUNK // 4, dtype="float16", **options)
 
 
-def _move(producer: EngineProcess, consumer: EngineProcess, mode: str, request: str, seed: int) -> None:
-    """One request of TOKENS tokens from producer to consumer; every token checked on arrival."""
+def _paths(socket: Path, request: str) -> set[str]:
+    """The ``path=`` of every transfer completion of ``request`` in the trace (both sidecars),
+    asked of the sidecar listening on ``socket``."""
+    with engine_channel(socket) as channel:
+        response = engine_pb2_grpc.EngineServiceStub(channel).Trace(
+            common_pb2.TraceRequest(request_id=request), timeout=10
+        )
+    details = [
+        event.detail
+        for part in response.sidecars
+        for timeline in part.requests
+        for event in timeline.events
+        if event.kind == "nixl_completion"
+    ]
+    return {word.split("=", 1)[1] for detail in details for word in detail.split() if word.startswith("path=")}
+
+
+def _node_local(topology: str, p_memory: str, d_memory: str, mode: str) -> bool:
+    """Whether the initiator has both sides' memory mapped (or can map it): one sidecar, or the
+    other side in VRAM on this node (a peer's DRAM is not opened here)."""
+    if topology == "one-sidecar":
+        return "cuda" in (p_memory, d_memory)
+    target = p_memory if mode == "pull" else d_memory
+    return target == "cuda"
+
+
+def _move(
+    producer: EngineProcess,
+    consumer: EngineProcess,
+    mode: str,
+    request: str,
+    seed: int,
+    device_copy: SidecarProcess | None = None,
+) -> None:
+    """One request of TOKENS tokens from producer to consumer; every token checked on arrival;
+    with ``device_copy`` (the consumer's sidecar), the transfer must have been a device copy."""
     p_blocks = list(range(3, 3 + -(-TOKENS // BLOCK_SIZE)))
     d_blocks = list(reversed(range(BLOCKS - len(p_blocks), BLOCKS)))
     assert producer.command("fill_tokens", blocks=p_blocks, num_tokens=TOKENS, seed=seed)["ok"]
@@ -48,6 +87,8 @@ def _move(producer: EngineProcess, consumer: EngineProcess, mode: str, request: 
     check = consumer.command("verify_tokens", blocks=d_blocks, first_token=0, num_tokens=TOKENS, seed=seed)
     assert check["ok"] and check["bad_count"] == 0, check
     assert check["checked_tokens"] == TOKENS * LAYERS * consumer.tp, check
+    if device_copy is not None:
+        assert _paths(device_copy.socket, f"{request}-d") == {"device_copy"}
 
 
 # (topology, P's memory, D's memory): GPU to GPU on both topologies; GPU to host and back between nodes.
@@ -68,8 +109,10 @@ def test_kv_in_gpu_memory_moves_intact(
     d_side = p_side if topology == "one-sidecar" else sidecars("d")
     producer = _engine(engines, p_side, "P", "producer", p_memory)
     consumer = _engine(engines, d_side, "D", "consumer", d_memory)
+    local = _node_local(topology, p_memory, d_memory, mode)
     for serial in range(3):  # the first request handshakes and wires up; later ones reuse it
-        _move(producer, consumer, mode, f"{mode}-{serial}", seed=100 + serial)
+        checked = d_side if local else None
+        _move(producer, consumer, mode, f"{mode}-{serial}", seed=100 + serial, device_copy=checked)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -79,7 +122,7 @@ def test_gpu_engines_of_different_tp_and_layout_convert(sidecars, engines, mode:
     p_side, d_side = sidecars("p"), sidecars("d")
     producer = _engine(engines, p_side, "P", "producer", "cuda", tp=2, heads=HEADS // 2, kv_layout="NHD")
     consumer = _engine(engines, d_side, "D", "consumer", "cuda")
-    _move(producer, consumer, mode, f"convert-{mode}", seed=7)
+    _move(producer, consumer, mode, f"convert-{mode}", seed=7, device_copy=d_side)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -114,3 +157,28 @@ def test_a_vram_export_past_its_allocation_is_invalid_argument(sidecars) -> None
         # The real export registers, and unregisters cleanly.
         client.register_worker(kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, layout, [buffer.export()]))
         client.unregister_worker("E", 0)
+
+
+def test_gpu_kv_outlives_a_killed_sidecar_and_registers_again_with_the_restarted_one(sidecars) -> None:
+    """The engine owns its GPU memory; the sidecar only opened a handle to it. A sidecar killed
+    with SIGKILL frees none of it (every byte still there on the engine's GPU), and the same
+    export registers with the restarted sidecar, which is what the vLLM shim's supervisor thread
+    sends on its own once its event stream closes (test_vllm_e2e.py,
+    test_consumer_sidecar_restart_fails_inflight_request_to_recompute, checks that on CPU)."""
+    side = sidecars()
+    layout = KvLayout(LAYERS, BLOCKS, BLOCK_SIZE * HEADS * CHUNK)
+    with CudaBuffer(layout.total_bytes) as buffer:
+        buffer.array[:] = np.random.default_rng(3).integers(0, 256, layout.total_bytes, dtype=np.uint8)
+        expected = buffer.array.copy()
+        buffer.upload()
+        registration = kv_registration("E", common_pb2.ENGINE_ROLE_PRODUCER, layout, [buffer.export()])
+        with SidecarClient(side.socket) as client:
+            client.register_worker(registration)
+        side.kill()
+        buffer.array[:] = 0
+        buffer.download()
+        assert np.array_equal(buffer.array, expected), "the sidecar's death touched the engine's GPU memory"
+        side.restart()
+        with SidecarClient(side.socket) as client:
+            client.register_worker(registration)
+            client.unregister_worker("E", 0)
