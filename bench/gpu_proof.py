@@ -37,9 +37,11 @@ import ctypes
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -169,6 +171,19 @@ class _PinnedTarget:
         return [time.perf_counter() - started]
 
 
+class _TimeUp(Exception):
+    """SIGTERM (``timeout`` in gpu_run.sh): stop measuring, report what was measured."""
+
+
+_time_up = threading.Event()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if not _time_up.is_set():  # once: the shutdown that follows must not be interrupted again
+        _time_up.set()
+        raise _TimeUp
+
+
 @contextmanager
 def _stdout_to(path: Path) -> Iterator[None]:
     """Send this process's file descriptor 1 (where UCX prints its protocol tables) to ``path``
@@ -247,6 +262,7 @@ def run(json_path: Path, runs: int, sizes: Sequence[int], strict: bool = False) 
     out.mkdir(parents=True, exist_ok=True)
     os.environ["UCX_PROTO_INFO"] = "y"  # this process, the raw floor's child and every sidecar daemon
     workroot = Path(tempfile.mkdtemp(prefix="kvs-gpu-", dir="/tmp"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with _stdout_to(out / "ucx-proto-bench.log"):
             rows, failures, pairs_of = _measure_all(workroot, runs, sizes)
@@ -344,6 +360,9 @@ def _measure_all(
             traceback.print_exc()
         try:
             for blocks in sizes:
+                if _time_up.is_set():
+                    failures.append({"scenario": f"{blocks} MiB and larger", "path": "all", "error": "time bound"})
+                    break
                 scenario = Scenario(BLOCK_BYTES * LAYERS, blocks, "adjacent", 1)
                 for name, (owner, transfer, traced) in paths.items():
                     progress(f"{blocks} MiB {name}")
@@ -351,6 +370,9 @@ def _measure_all(
                     try:
                         check = name != RAW_NIXL  # it writes into the second process's own memory
                         row = measure(owner, scenario, name, transfer, runs, 256 * MIB, check)
+                    except _TimeUp:
+                        failures.append({"scenario": scenario.name, "path": name, "error": "time bound (SIGTERM)"})
+                        break
                     except Exception as exc:  # one broken path must not hide the others' figures
                         failures.append({"scenario": scenario.name, "path": name, "error": repr(exc)})
                         traceback.print_exc()
