@@ -68,8 +68,8 @@ LAYERS, BLOCK_BYTES = 8, 128 * KIB  # one block of every layer: 1 MiB per block 
 SIZES_IN_BLOCKS = (1, 4, 16, 64, 256, 1024)
 TRACE_SAMPLE = 8  # requests per row whose traces give nixl_transfer_gbps
 # Makes two sidecars on one node move GPU KV through their own pinned host buffers, as between
-# nodes (gpu-staging's setting, COORD.md).
-STAGING_ARGS = ("--set", "gpu.path=host_staging")
+# nodes (gpu-staging's setting, COORD.md: "always" stages even where a device copy could run).
+STAGING_ARGS = ("--set", "host_staging.mode=always")
 Transfer = Callable[[Sequence[int], Sequence[int], int], list[float]]
 
 
@@ -405,12 +405,21 @@ def _attribute_protocols(rows: list[Any], pairs_of: dict[str, str], workroot: Pa
             continue
         label = pairs_of.get(row.path, "")
         path = row.extra.get("trace_path", "")
-        if path in ("device_copy", "host_staging"):
+        op = "READ" if row.path.endswith(("pull", "pull-same-node")) else "WRITE"
+        mine = choices.get(label, [])
+        if path == "device_copy":
             row.extra["ucx_protocol"] = path
             continue
-        op = "READ" if row.path.endswith(("pull", "pull-same-node")) else "WRITE"
-        found = protocol_for(choices.get(label, []), op)
-        fallback = [c.text for c in emulated(choices.get(label, []))]
+        if path == "host_staging":
+            # The staged bytes still cross UCX between host memory and the peer's memory: a peer
+            # whose GPU memory is not staged on its side (target-side staging) is reached by
+            # emulation, and the row must say so.
+            staged = [c for c in mine if c.op == op and "host" in (c.src, c.dst)]
+            texts = list(dict.fromkeys(f"{c.text} ({c.src}->{c.dst})" for c in staged))
+            row.extra["ucx_protocol"] = f"host_staging; UCX: {'; '.join(texts)}" if texts else "host_staging"
+            continue
+        found = protocol_for(mine, op)
+        fallback = [c.text for c in emulated(mine)]
         row.extra["ucx_protocol"] = found or (fallback[0] if fallback else f"unknown: no UCX table for a GPU {op}")
 
 

@@ -3,6 +3,8 @@ of 2026-11-28 printed), the transfer's own time from a trace, and issue 33's tar
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -166,3 +168,39 @@ def test_the_summary_counts_and_names_the_missed_rows() -> None:
     assert lines[-1] == "targets: 1 of 2 rows met, 1 missed"  # the floors have no target
     assert any(line.startswith("MISSED kvsidecar-push 16 MiB") for line in lines)
     assert emulation_rows(rows) == ["kvsidecar-push 16 MiB"]
+
+
+def test_each_row_gets_the_protocol_of_the_processes_that_moved_it(tmp_path: Path) -> None:
+    """bench.gpu_proof._attribute_protocols on logs as the daemons and the benchmark leave them."""
+    from bench.gpu_proof import _attribute_protocols
+
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "d.log").write_text(SIDECAR_LOG)
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / "d.log").write_text(
+        "[1.0] [vm:77 :0]   | remote memory read by ucp_get*(multi) into host memory from cuda |\n"
+        "[1.0] [vm:77 :0]   | 0..inf | software emulation | tcp/lo |\n"
+    )
+    (tmp_path / "one").mkdir()
+    (tmp_path / "ucx-proto-bench.log").write_text(RAW_LOG)
+    rows = [
+        SimpleNamespace(path="kvsidecar-pull", extra={"trace_path": "nixl"}),
+        SimpleNamespace(path="kvsidecar-pull-same-node", extra={"trace_path": "device_copy"}),
+        SimpleNamespace(path="host-staging-pull", extra={"trace_path": "host_staging"}),
+        SimpleNamespace(path=RAW_NIXL, extra={}),
+        SimpleNamespace(path=BATCHED_D2D, extra={"ucx_protocol": "n/a: a torch copy in this process"}),
+    ]
+    pairs = {"kvsidecar-pull": "two", "kvsidecar-pull-same-node": "one", "host-staging-pull": "staging"}
+    _attribute_protocols(rows, {**pairs, RAW_NIXL: "bench"}, tmp_path, tmp_path)
+    protocols = [row.extra["ucx_protocol"] for row in rows]
+    assert protocols == [
+        "software emulation | tcp/lo",
+        "device_copy",
+        "host_staging; UCX: software emulation | tcp/lo (cuda->host)",  # no target-side staging: flagged
+        "short | cuda_ipc/cuda; zero-copy | cuda_ipc/cuda",
+        "n/a: a torch copy in this process",
+    ]
+    assert emulation_rows([{"path": r.path, "bytes": MIB, **r.extra} for r in rows]) == [
+        "kvsidecar-pull 1 MiB",
+        "host-staging-pull 1 MiB",
+    ]
