@@ -61,20 +61,38 @@ class RemoteRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., base_address: _Optional[int] = ..., block_len: _Optional[int] = ..., block_stride: _Optional[int] = ..., group_id: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class WorkerDescriptor(_message.Message):
-    __slots__ = ("tp_rank", "pp_rank", "agent_name", "agent_metadata", "regions", "geometry")
+    __slots__ = ("tp_rank", "pp_rank", "agent_name", "agent_metadata", "regions", "geometry", "node_local_exports")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOCAL_EXPORTS_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     pp_rank: int
     agent_name: str
     agent_metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
     geometry: _common_pb2.KvGeometry
-    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ...) -> None: ...
+    node_local_exports: _containers.RepeatedCompositeFieldContainer[NodeLocalExport]
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., node_local_exports: _Optional[_Iterable[_Union[NodeLocalExport, _Mapping]]] = ...) -> None: ...
+
+class NodeLocalExport(_message.Message):
+    __slots__ = ("cuda_ipc_handle", "offset", "length", "address", "gpu_uuid", "node_id")
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    cuda_ipc_handle: bytes
+    offset: int
+    length: int
+    address: int
+    gpu_uuid: str
+    node_id: str
+    def __init__(self, cuda_ipc_handle: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., address: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
     __slots__ = ("engine_id", "role", "tp_size", "pp_size", "compatibility_hash", "engine_version", "workers", "generation", "voucher_key")

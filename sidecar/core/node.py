@@ -77,7 +77,9 @@ class Node:
             identity=self.identity,
             registry=self.registry,
             peers=self.peers,
-            dataplane=DataPlane(self.transport, self.identity.sidecar_id, settings.staging_below_bytes),
+            dataplane=DataPlane(
+                self.transport, self.identity.sidecar_id, settings.staging_below_bytes, self._on_notifications
+            ),
             transport=self.transport,
             metrics=self.metrics,
             events=self.events,
@@ -154,6 +156,7 @@ class Node:
         # Stop NIXL and revoke memory *before* telling engines their blocks are free: a peer may
         # still be reading them, and only a destroyed agent and a tombstoned mapping stop it.
         await self.transport.stop()
+        await self.context.dataplane.peer_memory.close_all()
         self.registrations.release_all_memory()
         self.consumer.fail_all("the sidecar is shutting down")
         self.producer.finish_all("the sidecar is shutting down")
@@ -243,6 +246,8 @@ class Node:
             self.metrics.xfer_descriptors.labels(op=op).observe(result.descriptors)
 
     async def _unload_peer_agents(self, address: str, agent_names: list[str]) -> None:
+        # The peer's view is gone (restart, engine re-registered or left): so is its VRAM opened here.
+        await self.context.dataplane.peer_memory.forget(agent_names)
         await self.transport.drop_remote(agent_names)
 
     # --- status -------------------------------------------------------------------------------

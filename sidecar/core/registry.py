@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar import voucher
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar.dataplane import device_copy
 from sidecar.dataplane.contract import RemoteAgent
 from sidecar.dataplane.memory import MappedMemory
 from sidecar.dataplane.plan.layout import WorkerLayout
@@ -69,7 +70,21 @@ class Worker:
 
     def descriptor(self) -> peer_pb2.WorkerDescriptor:
         kind = common_pb2.MEMORY_KIND_VRAM if self.mem_type == "VRAM" else common_pb2.MEMORY_KIND_DRAM
+        node = device_copy.node_id()
         return peer_pb2.WorkerDescriptor(
+            # A same-node peer opens VRAM itself and device-copies (dataplane.device_copy).
+            node_local_exports=[
+                peer_pb2.NodeLocalExport(
+                    cuda_ipc_handle=memory.ipc_handle,
+                    offset=memory.ipc_offset,
+                    length=memory.length,
+                    address=memory.address,
+                    gpu_uuid=memory.gpu_uuid,
+                    node_id=node,
+                )
+                for memory in self.memories
+                if memory.kind == "VRAM" and memory.ipc_handle and memory.gpu_uuid and node
+            ],
             tp_rank=self.tp_rank,
             pp_rank=self.pp_rank,
             agent_name=self.agent_name,

@@ -42,6 +42,20 @@ class RemoteAgent:
     metadata: bytes
 
 
+@dataclass(frozen=True)
+class NodeExport:
+    """A peer's VRAM export as its handshake described it (``peer.proto`` ``NodeLocalExport``): the
+    engine's CUDA IPC handle and range, where the peer's sidecar mapped the range (``address``),
+    the GPU's UUID and the node's id. A sidecar on the same node opens it and device-copies."""
+
+    handle: bytes
+    offset: int
+    length: int
+    address: int
+    gpu_uuid: str
+    node_id: str
+
+
 @dataclass
 class TransferResult:
     ok: bool

@@ -17,16 +17,33 @@ Called from the thread that maps memory at registration (``asyncio.to_thread``),
 loop thread at release, and from the NIXL owner thread before it registers GPU memory
 (``make_current``). The primary context is made current on the calling thread before each call
 (a context is per thread) and retained once per device for the life of the process.
+
+Device copies (``batch_copy``, ``copy_done``, ``wait_copy``): the data plane moves node-local GPU
+memory itself instead of through NIXL (UCX cannot re-export memory this process imported, and
+falls back to software emulation over TCP). A request's (dst, src, nbytes) triples, unified
+addresses (device to device, device to host, host to device alike), are coalesced into contiguous
+runs and enqueued on the sidecar's own non-blocking stream of the device: ONE
+``cuMemcpyBatchAsync`` launch (driver of CUDA >= 12.8) where the driver has it, else one
+``cuMemcpyAsync`` per run; an event recorded after them says when they are done, queried without
+blocking and waited for with a bound. ``host_alloc``/``host_free``: pinned, portable host memory
+(``cuMemHostAlloc``) for host staging. Called from the data plane's copy threads (any thread: the
+device's primary context is made current first); ``set_driver_for_tests`` installs a fake driver
+(``tests/support/fake_cuda.py``) where no GPU is.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from kvsidecar.cuda_ipc import CUDA_IPC_HANDLE_BYTES
-from sidecar.errors import FailedPrecondition, InvalidArgument
+from sidecar.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.cuda_ipc")
@@ -34,6 +51,12 @@ log = get_logger("kvsidecar.cuda_ipc")
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 _LIBRARY = "libcuda.so.1"
+_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: never waits on the legacy default stream
+_EVENT_DISABLE_TIMING = 2  # CU_EVENT_DISABLE_TIMING: the cheapest event to record and query
+_ERROR_NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery: the work before it still runs)
+_MEMHOSTALLOC_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE: pinned for every context, not just one
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: sources read in stream order
+_BATCH_API_VERSION = 12080  # cuMemcpyBatchAsync as CUDA 12.8 defined it (with failIdx)
 
 
 class _IpcHandle(ctypes.Structure):
@@ -46,6 +69,70 @@ class _IpcHandle(ctypes.Structure):
 def handle_struct(handle: bytes) -> _IpcHandle:
     """The handle as the by-value struct the driver takes, every byte copied (pure)."""
     return _IpcHandle.from_buffer_copy(handle)
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]  # CUmemLocation
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """CUmemcpyAttributes: how the copies of a batch read their sources (CUDA >= 12.8)."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+Copy = tuple[int, int, int]  # (dst, src, nbytes), unified virtual addresses
+
+
+def coalesce(copies: Sequence[Copy] | np.ndarray) -> np.ndarray:
+    """The copies as contiguous runs, an Nx3 uint64 (dst, src, nbytes) array (pure, vectorized:
+    a request's thousands of blocks cost no Python loop): sorted by destination, empty ones
+    dropped, a copy that continues the previous one on both sides merged into it. Copies of one
+    batch are unordered anyway (their destinations never overlap), so sorting changes nothing."""
+    table = np.asarray(copies, dtype=np.uint64).reshape(-1, 3)
+    table = table[table[:, 2] > 0]
+    table = table[np.lexsort((table[:, 1], table[:, 0]))]
+    if len(table) <= 1:
+        return table
+    ends = table[:-1, :2] + table[:-1, 2:3]
+    continues = (ends == table[1:, :2]).all(axis=1)
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    runs = table[starts].copy()
+    runs[:, 2] = np.add.reduceat(table[:, 2], starts)
+    return runs
+
+
+@dataclass(frozen=True)
+class BatchArgs:
+    """``cuMemcpyBatchAsync``'s arrays for some runs (pure): dsts, srcs and sizes as contiguous
+    uint64 arrays, and ONE attributes entry (index 0) that applies to every copy: sources read in
+    stream order, no location hints (they matter for managed memory only)."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+    attrs: MemcpyAttributes
+    attrs_idxs: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.sizes.size)
+
+
+def pack_batch(runs: Sequence[Copy] | np.ndarray) -> BatchArgs:
+    table = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
+    return BatchArgs(
+        dsts=np.ascontiguousarray(table[:, 0]),
+        srcs=np.ascontiguousarray(table[:, 1]),
+        sizes=np.ascontiguousarray(table[:, 2]),
+        attrs=MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM),
+        attrs_idxs=np.zeros(1, dtype=np.uint64),
+    )
 
 
 @dataclass(frozen=True)
@@ -94,6 +181,7 @@ class _Driver:
                 f"VRAM exports need a CUDA GPU on the sidecar's node; {exc}. Use a DRAM export (host staging "
                 "buffer) on this node."
             ) from None
+        self._declare_copy_calls()
 
     def _check(self, status: int, call: str) -> None:
         if status == 0:
@@ -157,17 +245,164 @@ class _Driver:
         self.use_device(opened.device_id)
         self._check(self._close(opened.pointer), "cuIpcCloseMemHandle")
 
+    # --- device copies (see the module docstring) ---
 
-_driver: _Driver | None = None
+    def _declare_copy_calls(self) -> None:
+        lib = self._lib
+        lib.cuStreamCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+        self._event_destroy = getattr(lib, "cuEventDestroy_v2", None) or lib.cuEventDestroy
+        self._event_destroy.argtypes = [ctypes.c_void_p]
+        self._memcpy = lib.cuMemcpyAsync
+        self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self._host_alloc = lib.cuMemHostAlloc
+        self._host_alloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cuMemFreeHost.argtypes = [ctypes.c_void_p]
+        self._uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid
+        self._uuid.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        self._batch = self._batch_entry_point()
+
+    def _batch_entry_point(self) -> Callable[..., int] | None:
+        """cuMemcpyBatchAsync in its CUDA 12.8 form (the 9-argument one, with failIdx), asked of
+        the driver by version: a CUDA 13 driver exports the 8-argument ``_v2`` under the same
+        name in its headers, and ``cuGetProcAddress`` hands each caller the ABI it asks for.
+        None where the driver is older than 12.8."""
+        proto = ctypes.CFUNCTYPE(
+            ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.POINTER(MemcpyAttributes), ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p,
+        )  # fmt: skip
+        pointer = ctypes.c_void_p()
+        lookup = getattr(self._lib, "cuGetProcAddress_v2", None)
+        if lookup is not None:
+            lookup.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                               ctypes.c_void_p]  # fmt: skip
+            status = lookup(b"cuMemcpyBatchAsync", ctypes.byref(pointer), _BATCH_API_VERSION, 0, None)
+        else:
+            lookup = getattr(self._lib, "cuGetProcAddress", None)
+            if lookup is None:
+                return None
+            lookup.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64]
+            status = lookup(b"cuMemcpyBatchAsync", ctypes.byref(pointer), _BATCH_API_VERSION, 0)
+        if status != 0 or not pointer.value:
+            log.info("cuda_batch_copy_unavailable", cuda_error=status)
+            return None
+        return proto(pointer.value)
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def create_stream(self) -> int:
+        """A new non-blocking stream in the current context."""
+        stream = ctypes.c_void_p()
+        self._check(self._lib.cuStreamCreate(ctypes.byref(stream), _STREAM_NON_BLOCKING), "cuStreamCreate")
+        return int(stream.value or 0)
+
+    def memcpy_batch(self, args: BatchArgs, stream: int) -> None:
+        """Enqueue every run of ``args`` with one call (``has_batch`` must be true)."""
+        assert self._batch is not None
+        fail_index = ctypes.c_size_t(0)
+        status = self._batch(
+            args.dsts.ctypes.data, args.srcs.ctypes.data, args.sizes.ctypes.data, args.count,
+            ctypes.byref(args.attrs), args.attrs_idxs.ctypes.data, 1, ctypes.byref(fail_index), stream,
+        )  # fmt: skip
+        self._check(status, f"cuMemcpyBatchAsync (copy {fail_index.value} of {args.count})")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(self._memcpy(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+    def record_event(self, stream: int) -> int:
+        """A new event recorded on ``stream``: it completes once the work enqueued before it has."""
+        event = ctypes.c_void_p()
+        self._check(self._lib.cuEventCreate(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        status = self._lib.cuEventRecord(event, stream)
+        if status != 0:
+            self._event_destroy(event)
+            self._check(status, "cuEventRecord")
+        return int(event.value or 0)
+
+    def event_done(self, event: int) -> bool:
+        """Whether the work before ``event`` completed; raises if it failed."""
+        status = self._lib.cuEventQuery(event)
+        if status == _ERROR_NOT_READY:
+            return False
+        self._check(status, "cuEventQuery (a device copy failed)")
+        return True
+
+    def destroy_event(self, event: int) -> None:
+        # Safe on an event still pending: the driver frees it once the device reaches it.
+        self._event_destroy(event)
+
+    def host_alloc(self, nbytes: int) -> int:
+        pointer = ctypes.c_void_p()
+        self._check(self._host_alloc(ctypes.byref(pointer), nbytes, _MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc")
+        return int(pointer.value or 0)
+
+    def host_free(self, pointer: int) -> None:
+        self._check(self._lib.cuMemFreeHost(pointer), "cuMemFreeHost")
+
+    def device_uuid(self, device_id: int) -> str:
+        """The GPU's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-..."): the same GPU has the
+        same UUID in every process, whatever each numbers it."""
+        device = ctypes.c_int(0)
+        self._check(self._lib.cuDeviceGet(ctypes.byref(device), device_id), f"cuDeviceGet({device_id})")
+        raw = ctypes.create_string_buffer(16)
+        self._check(self._uuid(raw, device.value), "cuDeviceGetUuid")
+        return format_uuid(raw.raw)
+
+
+def format_uuid(raw: bytes) -> str:
+    """A CUuuid's 16 bytes as "GPU-8-4-4-4-12" hex (pure; nvidia-smi's spelling)."""
+    text = raw.hex()
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:32]}"
+
+
+class CudaDriver(Protocol):
+    """The driver calls this module makes: ``_Driver`` over libcuda, or a test's fake."""
+
+    @property
+    def has_batch(self) -> bool: ...
+    def device_count(self) -> int: ...
+    def use_device(self, device_id: int) -> None: ...
+    def open(self, handle: bytes, device_id: int) -> OpenedHandle: ...
+    def close(self, opened: OpenedHandle) -> None: ...
+    def device_uuid(self, device_id: int) -> str: ...
+    def create_stream(self) -> int: ...
+    def memcpy_batch(self, args: BatchArgs, stream: int) -> None: ...
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def record_event(self, stream: int) -> int: ...
+    def event_done(self, event: int) -> bool: ...
+    def destroy_event(self, event: int) -> None: ...
+    def host_alloc(self, nbytes: int) -> int: ...
+    def host_free(self, pointer: int) -> None: ...
+
+
+_driver: CudaDriver | None = None
 _driver_lock = threading.Lock()
+_streams: dict[int, int] = {}  # device id -> this sidecar's copy stream on it (lives with the process)
+_batch_refused = False  # the driver refused a batch once: per-run copies from then on
 
 
-def _get_driver() -> _Driver:
+def _get_driver() -> CudaDriver:
     global _driver
     with _driver_lock:
         if _driver is None:
             _driver = _Driver()
         return _driver
+
+
+def set_driver_for_tests(driver: CudaDriver | None) -> None:
+    """Install a fake driver (``tests/support/fake_cuda.FakeCudaDriver``); None goes back to the
+    real one (opened again on first use)."""
+    global _driver, _batch_refused
+    with _driver_lock:
+        _driver = driver
+        _streams.clear()
+        _batch_refused = False
 
 
 def open_handle(handle: bytes, device_id: int, offset: int, length: int, field_name: str) -> OpenedHandle:
@@ -207,3 +442,127 @@ def make_current(device_id: int) -> None:
 def close_handle(opened: OpenedHandle) -> None:
     """Close a handle opened by ``open_handle`` (the exporter's memory stays the exporter's)."""
     _get_driver().close(opened)
+
+
+def device_uuid(device_id: int) -> str:
+    """The UUID of the GPU this process numbers ``device_id`` (same in every process)."""
+    return _get_driver().device_uuid(device_id)
+
+
+def device_for_uuid(uuid: str) -> int | None:
+    """This process's number for the GPU with ``uuid``, or None where it is not visible here."""
+    driver = _get_driver()
+    for device_id in range(driver.device_count()):
+        if driver.device_uuid(device_id) == uuid:
+            return device_id
+    return None
+
+
+# --- device copies ------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class PendingCopy:
+    """A ``batch_copy`` in flight: the event recorded after its copies on the device's stream."""
+
+    device_id: int
+    event: int
+    launches: int  # driver calls that enqueued the copies (1 with cuMemcpyBatchAsync)
+    runs: int
+    nbytes: int
+    posted_at: float = field(default_factory=time.monotonic)
+    _finished: bool = False
+    _abandoned: bool = False  # waited for past its bound: never reported done
+
+    def _finish(self, driver: CudaDriver) -> None:
+        if not self._finished:
+            self._finished = True
+            driver.destroy_event(self.event)
+
+
+def _stream(driver: CudaDriver, device_id: int) -> int:
+    with _driver_lock:
+        stream = _streams.get(device_id)
+        if stream is None:
+            stream = _streams[device_id] = driver.create_stream()
+        return stream
+
+
+def batch_copy(device_id: int, copies: Sequence[Copy] | np.ndarray) -> PendingCopy:
+    """Enqueue ``copies`` (dst, src, nbytes) on this sidecar's stream of ``device_id``: ONE launch
+    where the driver has ``cuMemcpyBatchAsync``, else one ``cuMemcpyAsync`` per coalesced run.
+    Returns at once (pageable host memory aside, which the driver copies before returning);
+    ``copy_done``/``wait_copy`` say when the bytes are there. Raises FailedPrecondition if the
+    driver refuses to enqueue them."""
+    global _batch_refused
+    driver = _get_driver()
+    runs = coalesce(copies)
+    driver.use_device(device_id)
+    stream = _stream(driver, device_id)
+    launches = 0
+    if len(runs) and driver.has_batch and not _batch_refused:
+        try:
+            driver.memcpy_batch(pack_batch(runs), stream)
+            launches = 1
+        except FailedPrecondition as exc:
+            # E.g. a driver that takes the call but not these pointers. Whatever it enqueued
+            # copies the same bytes again below (sources are not written meanwhile).
+            log.warning("cuda_batch_copy_refused", error=str(exc), runs=len(runs))
+            _batch_refused = True
+    if len(runs) and not launches:
+        for dst, src, nbytes in runs.tolist():
+            driver.memcpy_async(dst, src, nbytes, stream)
+        launches = len(runs)
+    event = driver.record_event(stream)
+    return PendingCopy(device_id, event, launches, len(runs), int(runs[:, 2].sum()))
+
+
+def copy_done(pending: PendingCopy) -> bool:
+    """Whether the copies are complete (non-blocking); raises FailedPrecondition if they failed."""
+    if pending._abandoned:
+        raise DeadlineExceeded(f"device copy on GPU {pending.device_id} was given up after its deadline")
+    if pending._finished:
+        return True
+    driver = _get_driver()
+    driver.use_device(pending.device_id)
+    try:
+        done = driver.event_done(pending.event)
+    except FailedPrecondition:
+        pending._finish(driver)
+        raise
+    if done:
+        pending._finish(driver)
+    return done
+
+
+# Polling backoff of wait_copy: short first (a small copy ends in microseconds), never longer than
+# this between queries (a 1 GiB device copy takes a few milliseconds).
+_POLL_FIRST_S, _POLL_MAX_S = 20e-6, 250e-6
+
+
+def wait_copy(pending: PendingCopy, timeout_s: float) -> None:
+    """Block the calling thread (never the event loop's) until the copies are complete, at most
+    ``timeout_s``: raises DeadlineExceeded after it (the copy may still run; the event is dropped
+    and the driver frees it once the device gets there), FailedPrecondition if they failed."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    pause = _POLL_FIRST_S
+    while not copy_done(pending):
+        now = time.monotonic()
+        if now >= deadline:
+            pending._abandoned = True
+            pending._finish(_get_driver())
+            raise DeadlineExceeded(
+                f"device copy of {pending.nbytes} bytes ({pending.runs} runs) on GPU {pending.device_id} "
+                f"not complete after {now - pending.posted_at:.3f} s"
+            )
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+def host_alloc(nbytes: int) -> int:
+    """Pinned host memory that every context may copy to and from (``cuMemHostAlloc``, portable)."""
+    return _get_driver().host_alloc(nbytes)
+
+
+def host_free(pointer: int) -> None:
+    _get_driver().host_free(pointer)

@@ -25,7 +25,10 @@ the price of never letting a stale WRITE land. Over RDMA, pinned memory ignores 
 there the fence would have to deregister the memory (not built; no RDMA here).
 
 VRAM: a CUDA IPC handle opened through the CUDA driver (``cuda_ipc``); NIXL registers the device
-pointer it gives. Without a GPU it reports FAILED_PRECONDITION.
+pointer it gives. Without a GPU it reports FAILED_PRECONDITION. The mapping keeps the engine's
+handle, its offset and the GPU's UUID: a same-node peer sidecar is told them in the handshake and
+opens the memory itself for a device copy (``device_copy``). The engine owns the memory: closing
+our handle (release, or this process dying) frees none of it.
 
 Called from the event loop thread; every call is short (mmap) or bounded (populate).
 """
@@ -93,6 +96,11 @@ class MappedMemory:
     device_id: int
     # The file to remove once the worker is gone, if its creator died without removing it.
     orphan_path: str = ""
+    # VRAM: the engine's handle and the exported range's offset in its allocation, and the GPU's
+    # UUID ("" if the driver could not say): what a same-node peer needs to open it too.
+    ipc_handle: bytes = b""
+    ipc_offset: int = 0
+    gpu_uuid: str = ""
     _map_base: int = 0
     _map_length: int = 0
     _cuda: cuda_ipc.OpenedHandle | None = None
@@ -225,8 +233,19 @@ def _unlocked(fd: int) -> bool:
 
 def _open_cuda_ipc(spec: ExportSpec, field_name: str) -> MappedMemory:
     opened = cuda_ipc.open_handle(spec.cuda_ipc_handle, spec.device_id, spec.offset, spec.length, field_name)
+    try:
+        uuid = cuda_ipc.device_uuid(opened.device_id)
+    except FailedPrecondition:
+        uuid = ""  # peers then use NIXL for this worker
     return MappedMemory(
-        kind="VRAM", address=opened.pointer + spec.offset, length=spec.length, device_id=opened.device_id, _cuda=opened
+        kind="VRAM",
+        address=opened.pointer + spec.offset,
+        length=spec.length,
+        device_id=opened.device_id,
+        ipc_handle=spec.cuda_ipc_handle,
+        ipc_offset=spec.offset,
+        gpu_uuid=uuid,
+        _cuda=opened,
     )
 
 

@@ -1,5 +1,6 @@
 """Moving one request's blocks between a local engine and another engine (remote, or local on the
-same node), through the NIXL transport.
+same node), through the NIXL transport, or by device copy where both sides' memory is (or can be)
+mapped here and one is VRAM (``device_copy``; chosen in ``DataPlane._device_route``).
 
 An ``EngineView`` describes the other engine uniformly, whether it came from a peer's handshake
 or from this sidecar's own registry: its workers' layouts (addresses in the address space of the
@@ -15,6 +16,13 @@ Two paths:
   buffer in the peer's layout and permutes locally with numpy, in a worker thread: READ into
   staging then scatter into the local blocks (pull), or gather into staging then WRITE (push). No
   conversion runs in an engine.
+
+Device copy (node-local GPU memory): the same plans (byte for byte or converted) give (dst, src,
+nbytes) rows in this process's addresses, ONE batched launch per request and device, waited for
+off the loop within the transfer's deadline; then each target worker gets the notification NIXL
+would have carried (delivered in-process for an engine of this sidecar, through the transport's
+notify for a peer sidecar's). The trace's completion event says ``path=device_copy`` (or
+``path=nixl``) and measures the copy's own post -> done as ``copy_transfer``.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ from typing import Protocol
 import numpy as np
 
 from kvsidecar.v1 import common_pb2, peer_pb2
+from sidecar.dataplane import device_copy
 from sidecar.dataplane.contract import (
     DlistSpec,
+    NodeExport,
+    NotificationsCallback,
     RemoteAgent,
     RunsSpec,
     Staging,
@@ -75,6 +86,9 @@ class WorkerView:
     layout: WorkerLayout
     agent: RemoteAgent
     mem_type: str
+    # A peer's VRAM worker: what a sidecar on the same node needs to open its memory itself
+    # (empty for DRAM workers, this sidecar's own engines, and peers older than this field).
+    exports: tuple[NodeExport, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,11 +164,16 @@ def view_from_descriptor(address: str, sidecar_id: str, engine: peer_pb2.EngineD
     workers = []
     for worker in engine.workers:
         kind = worker.regions[0].kind if worker.regions else common_pb2.MEMORY_KIND_DRAM
+        exports = tuple(
+            NodeExport(e.cuda_ipc_handle, e.offset, e.length, e.address, e.gpu_uuid, e.node_id)
+            for e in worker.node_local_exports
+        )
         workers.append(
             WorkerView(
                 layout=layout_from_descriptor(worker),
                 agent=RemoteAgent(worker.agent_name, worker.agent_metadata),
                 mem_type=_KIND_NAMES.get(kind, "DRAM"),
+                exports=exports,
             )
         )
     return EngineView(
@@ -254,10 +273,21 @@ class ConvertedMove:
 class DataPlane:
     """Plans and posts one request's transfers between a local engine and an ``EngineView``."""
 
-    def __init__(self, transport: Transport, sidecar_id: str, staging_below_bytes: int = STAGING_BELOW_BYTES) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        sidecar_id: str,
+        staging_below_bytes: int = STAGING_BELOW_BYTES,
+        deliver_local: NotificationsCallback | None = None,
+    ) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
         self.staging_below_bytes = staging_below_bytes
+        # Notifications for this sidecar's own agents (the node's, as if NIXL brought them).
+        self._deliver_local = deliver_local
+        # False: NIXL (or host staging) even where a device copy could run.
+        self.device_copy = True
+        self.peer_memory = device_copy.PeerMappings()
 
     @staticmethod
     def converts(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> bool:
@@ -288,6 +318,9 @@ class DataPlane:
             job = replace(job, target_blocks=trim_to_tail(job.target_blocks, job.initiator_blocks))
         else:
             job = replace(job, initiator_blocks=trim_to_tail(job.initiator_blocks, job.target_blocks))
+        route = await self._device_route(job.initiator, target)
+        if route is not None:
+            return await self._device_copy(job, route, span if converted else None, deadline)
         for worker in job.initiator:
             for pairing in pairings(job.initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
@@ -324,6 +357,127 @@ class DataPlane:
             peer_gone=any(result.peer_gone for result in failed),
             results=results,
         )
+
+    async def _device_route(self, initiator: list[LocalWorker], target: EngineView) -> dict[str, WorkerView] | None:
+        """The path selection: the target's workers with addresses of this process where a device
+        copy moves this transfer, else None (NIXL). A device copy needs one side in VRAM and both
+        mapped here: the target is an engine of this sidecar, or a peer sidecar's VRAM engine on
+        this node whose handles open here (a peer without them, an older one, keeps NIXL).
+        DRAM <-> DRAM is always NIXL."""
+        if not self.device_copy or not initiator or not target.workers:
+            return None
+        kinds = {initiator[0].mem_type, *(worker.mem_type for worker in target.workers)}
+        if "VRAM" not in kinds:
+            return None
+        if target.sidecar_id == self._sidecar_id:
+            return {worker.agent.name: worker for worker in target.workers}
+        if not all(worker.mem_type == "VRAM" and worker.exports for worker in target.workers):
+            return None
+        route = {}
+        for worker in target.workers:
+            mapping = await self.peer_memory.map_worker(worker.agent.name, worker.exports)
+            if mapping is None:
+                return None
+            try:
+                route[worker.agent.name] = replace(worker, layout=mapping.translate(worker.layout))
+            except PlanError:
+                return None
+        return route
+
+    async def _device_copy(
+        self, job: TransferJob, route: dict[str, WorkerView], span: Span | None, deadline: float
+    ) -> TransferOutcome:
+        """Every (initiator, target) pair's rows of ``job`` in ONE batched copy per device, then
+        each target worker's notification, as NIXL would have sent it."""
+        target = job.target
+        batches: dict[int, list[np.ndarray]] = {}
+        notices: list[tuple[LocalWorker, WorkerView, bytes]] = []
+        for worker in job.initiator:
+            for pairing in pairings(job.initiator_tp, target.tp_size, worker.layout.tp_rank, target.is_mla):
+                other = target.worker(pairing.target_rank, worker.layout.pp_rank)
+                here = route[other.agent.name]
+                rows = self._copy_rows(job, worker, here, pairing, span)
+                device = worker.layout.device_id if worker.mem_type == "VRAM" else here.layout.device_id
+                batches.setdefault(device, []).append(rows)
+                payload = self.notice(
+                    target, job.target_request_id, job.transfer_id, job.initiator_tp, pairing.target_rank, job.digests
+                )
+                notices.append((worker, other, payload))
+        for rank in unpaired_targets(job.initiator_tp, target.tp_size, target.is_mla):
+            for worker in job.initiator:
+                if worker.layout.tp_rank == 0:
+                    other = target.worker(rank, worker.layout.pp_rank)
+                    payload = self.notice(
+                        target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests
+                    )
+                    notices.append((worker, other, payload))
+        merged = {device: np.concatenate(parts) for device, parts in batches.items()}
+        copies = sum(len(rows) for rows in merged.values())
+        names = ", ".join(sorted({worker.agent_name for worker in job.initiator}))
+        job.on_step(
+            "posted",
+            f"{job.op} {names} -> {target.engine_id} path=device_copy ({copies} copies, GPUs {sorted(merged)})",
+        )
+        peer = target.sidecar_id != self._sidecar_id
+        if peer:
+            self.peer_memory.hold(route)
+        try:
+            copied = await device_copy.run_copies(merged, deadline, job.not_after)
+        finally:
+            if peer:
+                await self.peer_memory.release(route)
+        result = TransferResult(
+            copied.ok, copied.error, bytes=copied.bytes, descriptors=copies, duration_s=copied.duration_s,
+            post_s=copied.post_s,
+        )  # fmt: skip
+        if not copied.ok:
+            job.on_step("nixl_completion", f"{job.op} on {names} failed: {copied.error} path=device_copy")
+            return TransferOutcome(False, copied.error, results=[result])
+        job.on_step(
+            "nixl_completion",
+            f"{job.op} on {names} done: {copied.bytes} bytes, {copies} copies in {copied.runs} runs, "
+            f"{copied.launches} launches, post {copied.post_s * 1000:.3f} ms, transfer "
+            f"{copied.duration_s * 1000:.3f} ms path=device_copy",
+            {"nixl_post": copied.post_s, "nixl_transfer": copied.duration_s, "copy_transfer": copied.duration_s},
+        )
+        results = [result, *await self._notify_all(notices, local=not peer)]
+        failed = [r for r in results if not r.ok]
+        return TransferOutcome(
+            ok=not failed,
+            error="; ".join(sorted({r.error for r in failed})),
+            bytes=copied.bytes,
+            descriptors=copies,
+            results=results,
+        )
+
+    @staticmethod
+    def _copy_rows(
+        job: TransferJob, worker: LocalWorker, other: WorkerView, pairing: Pairing, span: Span | None
+    ) -> np.ndarray:
+        """One pair's (dst, src, nbytes) rows, from the same plan NIXL's descriptors come from."""
+        if span is None:
+            local_ids = descriptor_indices(worker.layout, job.initiator_blocks)
+            remote_ids = descriptor_indices(other.layout, job.target_blocks)
+            local = device_copy.selected_descriptors(worker.layout, pairing.initiator_slice, local_ids)
+            remote = device_copy.selected_descriptors(other.layout, pairing.target_slice, remote_ids)
+            return device_copy.copy_rows(job.op, local, remote)
+        mine = Side(worker.layout, single_group(job.initiator_blocks, "the local engine"), span.initiator_first)
+        theirs = Side(other.layout, single_group(job.target_blocks, "the peer"), span.target_first)
+        source, dest = (theirs, mine) if job.op == "READ" else (mine, theirs)
+        src, dst = run_descriptors(source, dest, span.first, span.end)
+        return device_copy.copy_rows("READ", dst, src)
+
+    async def _notify_all(
+        self, notices: list[tuple[LocalWorker, WorkerView, bytes]], local: bool
+    ) -> list[TransferResult]:
+        """The notifications a device copy's target workers would have had from NIXL: handed to
+        this node's notification handler on the next loop iteration (as NIXL's owner thread
+        does), or sent through the transport to a peer sidecar's agents."""
+        if local and self._deliver_local is not None:
+            batch = [(other.agent.name, payload) for _, other, payload in notices]
+            asyncio.get_running_loop().call_soon(self._deliver_local, batch, time.monotonic())
+            return []
+        return list(await asyncio.gather(*(self._notify_only(w, other, payload) for w, other, payload in notices)))
 
     def notice(
         self,
@@ -519,10 +673,10 @@ class DataPlane:
 
 def _describe(op: str, agent_name: str, result: TransferResult) -> str:
     if not result.ok:
-        return f"{op} on {agent_name} failed: {result.error}"
+        return f"{op} on {agent_name} failed: {result.error} path=nixl"
     return (
         f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
-        f"post {result.post_s * 1000:.3f} ms, transfer {result.duration_s * 1000:.3f} ms"
+        f"post {result.post_s * 1000:.3f} ms, transfer {result.duration_s * 1000:.3f} ms path=nixl"
     )
 
 
