@@ -9,7 +9,8 @@ the sidecar's own stream and really does not run (the device waits, as it would 
 kernel or a stuck copy engine). The word is written, and the copies run, when the file named by
 ``KVSIDECAR_TEST_GPU_RELEASE`` appears, or ``KVSIDECAR_TEST_GPU_HOLD_SECONDS`` after the hold
 (a slow copy); never otherwise (a copy that never completes). Where the driver refuses stream
-memory operations, the hold falls back to hiding the copy's completion (its event reads "not
+memory operations (or, ``on_device=False``, where there is no device: ``tests/test_gpu_hold.py`` on
+``FakeCudaDriver``), the hold falls back to hiding the copy's completion (its event reads "not
 ready" until released) and says so on stderr: the sidecar's bound is exercised either way, the
 device is not.
 
@@ -37,8 +38,11 @@ def _say(message: str) -> None:
 class HoldingDriver:
     """The real CUDA driver, with held copies (see the module docstring)."""
 
-    def __init__(self, make_real: Any, arm: str, release: str, batches: int, seconds: float) -> None:
+    def __init__(
+        self, make_real: Any, arm: str, release: str, batches: int, seconds: float, on_device: bool = True
+    ) -> None:
         self._make_real = make_real
+        self._on_device = on_device  # False: only the fallback (a fake driver has no device to wait)
         self._real: Any = None
         self._arm, self._release = arm, release
         self._left = batches
@@ -53,7 +57,10 @@ class HoldingDriver:
     def _driver(self) -> Any:
         if self._real is None:
             self._real = self._make_real()
-            self._lib = ctypes.CDLL("libcuda.so.1")
+            try:
+                self._lib = ctypes.CDLL("libcuda.so.1") if self._on_device else None
+            except OSError:  # no driver library: only the fallback can hold
+                self._lib = None
         return self._real
 
     def __getattr__(self, name: str) -> Any:
@@ -85,6 +92,11 @@ class HoldingDriver:
     def _hold(self, stream: int) -> None:
         """Enqueue a wait on a fresh pinned word before the copies (the context is current)."""
         lib = self._lib
+        if lib is None:
+            with self._lock:
+                self._hide_next.add(stream)
+            _say("no device to wait on: hiding the copy's completion instead")
+            return
         word = ctypes.c_void_p()
         device_word = ctypes.c_uint64()
         alloc = lib.cuMemHostAlloc
