@@ -115,14 +115,28 @@ class _Views:
         return self._cache[key]
 
 
+def _tensor(buffer: Any) -> Any:
+    """A worker buffer's bytes as a torch tensor: the GPU tensor, or (CPU dry run) the shm array."""
+    import torch
+
+    return buffer.tensor if hasattr(buffer, "tensor") else torch.from_numpy(buffer.array)
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _batched_copy(pair) -> Transfer:  # type: ignore[no-untyped-def]
     import torch
 
     from sidecar.tools.bench import layer_major
 
     views = _Views(
-        layer_major(pair.producer.workers[0].buffer.tensor, pair.layout),
-        layer_major(pair.consumer.workers[0].buffer.tensor, pair.layout),
+        layer_major(_tensor(pair.producer.workers[0].buffer), pair.layout),
+        layer_major(_tensor(pair.consumer.workers[0].buffer), pair.layout),
     )
     foreach = getattr(torch, "_foreach_copy_", None)
 
@@ -134,7 +148,7 @@ def _batched_copy(pair) -> Transfer:  # type: ignore[no-untyped-def]
         else:
             for target, source in zip(targets, sources, strict=True):
                 target.copy_(source, non_blocking=True)
-        torch.cuda.synchronize()
+        _synchronize()
         return [time.perf_counter() - started]
 
     return copy
@@ -151,8 +165,9 @@ class _PinnedTarget:
 
         self.layout = pair.layout
         self._torch = torch
-        self.source = layer_major(pair.producer.workers[0].buffer.tensor, pair.layout)
-        self.host = torch.empty(tuple(self.source.shape), dtype=torch.uint8, pin_memory=True)
+        self.source = layer_major(_tensor(pair.producer.workers[0].buffer), pair.layout)
+        pinned = torch.cuda.is_available()  # the CPU dry run has nothing to pin for
+        self.host = torch.empty(tuple(self.source.shape), dtype=torch.uint8, pin_memory=pinned)
         self._views = _Views(self.source, self.host)
 
     def poison(self, d_blocks: Sequence[int]) -> None:
@@ -167,7 +182,7 @@ class _PinnedTarget:
         started = time.perf_counter()
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source, non_blocking=True)
-        self._torch.cuda.synchronize()
+        _synchronize()
         return [time.perf_counter() - started]
 
 
@@ -251,11 +266,11 @@ def _save(json_path: Path, rows: list[Any], failures: list[dict[str, str]], note
     json_path.write_text(json.dumps(payload, indent=2, default=str))
 
 
-def run(json_path: Path, runs: int, sizes: Sequence[int], strict: bool = False) -> int:
+def run(json_path: Path, runs: int, sizes: Sequence[int], strict: bool = False, cpu_dry_run: bool = False) -> int:
     from engine_shim.cuda_memory import cuda_available
 
     problem = cuda_available()
-    if problem is not None:
+    if problem is not None and not cpu_dry_run:
         print(f"bench.gpu_proof needs a CUDA GPU: {problem}", file=sys.stderr)
         return 2
     out = json_path.parent
@@ -265,8 +280,8 @@ def run(json_path: Path, runs: int, sizes: Sequence[int], strict: bool = False) 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with _stdout_to(out / "ucx-proto-bench.log"):
-            rows, failures, pairs_of = _measure_all(workroot, runs, sizes)
-        _attribute_protocols(rows, pairs_of, workroot, out)
+            rows, failures, pairs_of = _measure_all(workroot, runs, sizes, "shm" if cpu_dry_run else "cuda")
+        _attribute_protocols(rows, pairs_of, workroot, out, "host" if cpu_dry_run else "cuda")
     finally:
         for log in workroot.glob("*/*.log"):
             shutil.copy2(log, out / f"sidecar-{log.parent.name}-{log.name}")
@@ -298,7 +313,7 @@ def run(json_path: Path, runs: int, sizes: Sequence[int], strict: bool = False) 
 
 
 def _measure_all(
-    workroot: Path, runs: int, sizes: Sequence[int]
+    workroot: Path, runs: int, sizes: Sequence[int], memory: str = "cuda"
 ) -> tuple[list[Any], list[dict[str, str]], dict[str, str]]:
     """Every path at every size; returns (rows, failures, {path: the pair label whose logs say
     what UCX chose for it})."""
@@ -313,14 +328,14 @@ def _measure_all(
     layout = KvLayout(LAYERS, max(sizes) + 16, BLOCK_BYTES)
     rows: list[Row] = []
     failures: list[dict[str, str]] = []
-    device = torch.cuda.get_device_name(0)
+    device = torch.cuda.get_device_name(0) if memory == "cuda" else "CPU dry run (shared memory)"
 
     def progress(message: str) -> None:
         print(f"  [{time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
 
     def pair(label: str, args: Sequence[str], same_node: bool) -> TransferPair:
         folder = workroot / label
-        return TransferPair(layout, memory="cuda", same_node=same_node, workdir=folder,
+        return TransferPair(layout, memory=memory, same_node=same_node, workdir=folder,
                             make_daemon=lambda name: DaemonProcess(folder, name, list(args)))  # fmt: skip
 
     with contextlib.ExitStack() as stack:
@@ -352,7 +367,8 @@ def _measure_all(
         pairs_of = {name: labels[id(traced)] for name, (_, _, traced) in paths.items() if traced is not None}
         raw = None
         try:
-            raw = RawNixl(two, separate_process=True)
+            # The target child prints its address on stdout first: UCX's tables must not go there.
+            raw = RawNixl(two, separate_process=True, target_wrapper=["env", "-u", "UCX_PROTO_INFO"])
             paths[RAW_NIXL] = (two, raw.transfer, None)
             pairs_of[RAW_NIXL] = "bench"
         except Exception as exc:  # the other paths' figures still count
@@ -392,7 +408,9 @@ def _measure_all(
     return rows, failures, pairs_of
 
 
-def _attribute_protocols(rows: list[Any], pairs_of: dict[str, str], workroot: Path, out: Path) -> None:
+def _attribute_protocols(
+    rows: list[Any], pairs_of: dict[str, str], workroot: Path, out: Path, memory: str = "cuda"
+) -> None:
     """Fill each row's ``ucx_protocol``: the trace's path where the bytes bypassed UCX's GPU
     transports, else what UCX chose for the row's operation on GPU memory in the logs of the
     processes that moved it (read once the daemons exited: UCX's stdio output is flushed then)."""
@@ -418,9 +436,9 @@ def _attribute_protocols(rows: list[Any], pairs_of: dict[str, str], workroot: Pa
             texts = list(dict.fromkeys(f"{c.text} ({c.src}->{c.dst})" for c in staged))
             row.extra["ucx_protocol"] = f"host_staging; UCX: {'; '.join(texts)}" if texts else "host_staging"
             continue
-        found = protocol_for(mine, op)
-        fallback = [c.text for c in emulated(mine)]
-        row.extra["ucx_protocol"] = found or (fallback[0] if fallback else f"unknown: no UCX table for a GPU {op}")
+        found = protocol_for(mine, op, memory, memory)
+        fallback = [c.text for c in emulated(mine, memory)]
+        row.extra["ucx_protocol"] = found or (fallback[0] if fallback else f"unknown: no UCX table for {memory} {op}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,8 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_IN_BLOCKS), help="MiB per request")
     parser.add_argument("--json", type=Path, default=Path("bench/out/gpu-proof.json"))
     parser.add_argument("--strict", action="store_true", help="exit 3 when a target is missed")
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="engines' KV in shared memory, no GPU: checks the harness (rows, protocols, targets), not the GPU path",
+    )
     args = parser.parse_args(argv)
-    return run(args.json, args.runs, args.sizes, args.strict)
+    return run(args.json, args.runs, args.sizes, args.strict, args.cpu_dry_run)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ COMPLETION_KINDS = ("nixl_completion", "copy_completion")
 EMULATION = "software emulation"
 
 _PREFIX = re.compile(r"^\[(?P<time>[0-9.]+)\]\s+\[(?P<host>[^:\]]+):\s*(?P<pid>\d+)\s*:\s*\d+\]\s*")
-_RANGE = re.compile(r"^\d+(\.\d+)?[KMGT]?B?\s*\.\.\s*(\d+(\.\d+)?[KMGT]?B?|inf)$", re.IGNORECASE)
+_RANGE = re.compile(r"^\d+(\.\d+)?[KMGT]?B?(\s*\.\.\s*(\d+(\.\d+)?[KMGT]?B?|inf))?$", re.IGNORECASE)
 _OPERATION = re.compile(
     r"remote memory (?P<kind>read|write) by (?P<call>\S+)"
     r"(?: (?:from (?P<src>.+?) to (?P<dst>.+)|into (?P<into>.+?) from (?P<from>.+)))?$"

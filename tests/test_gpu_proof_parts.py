@@ -204,3 +204,33 @@ def test_each_row_gets_the_protocol_of_the_processes_that_moved_it(tmp_path: Pat
         "kvsidecar-pull 1 MiB",
         "host-staging-pull 1 MiB",
     ]
+
+
+# As the nixl-cu12 1.5.1 wheel's UCX printed them on this CPU machine (bench.gpu_proof
+# --cpu-dry-run): the context on its own line, a header row, a single-size range.
+REAL_LAYOUT = """\
+[1795904723.002428] [vm:11983:0]   +--------+-------------+-----------------------------------+
+[1795904723.002428] [vm:11983:0]   | bench-raw-writer-14068548421128 self cfg#0               |
+[1795904723.002428] [vm:11983:0]   | remote memory write by ucp_put* from host memory to host |
+[1795904723.002428] [vm:11983:0]   +--------+-------------+-----------------------------------+
+[1795904723.002428] [vm:11983:0]   | Range  | Description |              Config               |
+[1795904723.002428] [vm:11983:0]   +--------+-------------+-----------------------------------+
+[1795904723.002428] [vm:11983:0]   | 0..inf | zero-copy   | cma/memory                        |
+[1795904723.002428] [vm:11983:0]   +--------+-------------+-----------------------------------+
+[1795904723.003320] [vm:11983:0]   | bench-raw-writer-14068548421128 self cfg#0      |
+[1795904723.003320] [vm:11983:0]   | active message by ucp_am_send* from host memory |
+[1795904723.003320] [vm:11983:0]   |   Range    |    Description     |    Config     |
+[1795904723.003320] [vm:11983:0]   |          0 | short              | tcp/lo        |
+[1795904723.003320] [vm:11983:0]   |   1..16515 | zero-copy          | tcp/lo        |
+"""
+
+
+def test_the_layout_ucx_prints_today_parses_with_its_context_line_and_header() -> None:
+    choices = parse_proto_info(REAL_LAYOUT)
+    assert [(c.op, c.src, c.dst, c.size_range, c.text) for c in choices] == [
+        ("WRITE", "host", "host", "0..inf", "zero-copy | cma/memory"),
+        ("", "", "", "0", "short | tcp/lo"),
+        ("", "", "", "1..16515", "zero-copy | tcp/lo"),
+    ]
+    assert protocol_for(choices, "WRITE", "host", "host") == "zero-copy | cma/memory"
+    assert protocol_for(choices, "WRITE") == ""  # no GPU memory in these tables
