@@ -73,17 +73,6 @@ STAGING_ARGS = ("--set", "host_staging.mode=always")
 Transfer = Callable[[Sequence[int], Sequence[int], int], list[float]]
 
 
-def runs_of(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive ids (pure)."""
-    runs: list[tuple[int, int]] = []
-    for block in ids:
-        if runs and block == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block, 1))
-    return runs
-
-
 def segment_pairs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src first, dst first, count) runs that are consecutive on both sides (pure)."""
     pairs: list[tuple[int, int, int]] = []
