@@ -3,7 +3,10 @@
 # has PyTorch with CUDA 13, grpcio and protobuf but reaches no registry: the wheels below, and
 # nixl-cu13's wheel as a zip cut to what the sidecar loads (the UCX plugin and UCX's CUDA and
 # shared-memory modules; not nixl_ep's PyTorch extensions, the other plugins or InfiniBand), which
-# takes it from 56 MiB to 14 MiB so that it fits the 64 MiB a device call carries.
+# takes it from 56 MiB to 14 MiB so that it fits the 64 MiB a device call carries (24 MiB in all).
+# Everything gpu_run.sh runs (the GPU tests, bench.gpu_proof, the GPU fault cells) needs only these
+# and what such images have: PyTorch, numpy, pytest with pytest-timeout, hypothesis and psutil
+# (tests/conftest.py, tests/support/fuzzing.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$PWD/.venv/bin/python}
