@@ -1,7 +1,7 @@
 """The pure parts of ``bench.gpu_proof``: what UCX chose (its ``UCX_PROTO_INFO=y`` tables), the
 transfer's own time from a request's trace, and issue 33's targets judged per row.
 
-Nothing here needs a GPU, PyTorch or NIXL, so ``tests/test_gpu_proof_parts.py`` checks it on any
+Nothing here needs a GPU, PyTorch or NIXL, so ``bench/tests/test_gpu_proof_parts.py`` checks it on any
 machine; ``bench.gpu_proof`` (GPU only) measures and hands its rows here. Called from the
 benchmark's one thread.
 
