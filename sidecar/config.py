@@ -120,6 +120,33 @@ class NixlSettings(BaseModel):
         return _split_list(value)
 
 
+class HostStagingSettings(BaseModel):
+    """Host staging of GPU KV (``sidecar.dataplane.host_staging``): a local engine's GPU memory,
+    imported over CUDA IPC, cannot be registered for RDMA, so its bytes go through the sidecar's
+    own pinned host pool, copied GPU <-> pool in chunks overlapped with NIXL moving the pool."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    # "auto": a local VRAM worker's transfers stage through the pool unless the plane copies device
+    # to device (same node); "always": also where a device copy could run (proves the cross-node
+    # path on one node); "off": NIXL moves the imported GPU memory itself (emulated over TCP).
+    mode: Literal["auto", "always", "off"] = "auto"
+    # Pinned host memory of the pool (allocated at the first staged transfer, kept for the life
+    # of the process, registered once per agent). Pinned memory is locked RAM: keep it modest.
+    pool_bytes: int = Field(default=256 << 20, ge=1 << 20, le=64 << 30)
+    # Bytes per pipeline step: one NIXL transfer and one batched GPU copy each.
+    chunk_bytes: int = Field(default=8 << 20, ge=64 << 10, le=1 << 30)
+    # Chunks one transfer may hold at once (READs or WRITEs in flight + the copy); fewer if the
+    # pool is short (down to one: no overlap, still correct).
+    slots: int = Field(default=4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> HostStagingSettings:
+        if self.chunk_bytes > self.pool_bytes:
+            raise ValueError(f"chunk_bytes ({self.chunk_bytes}) exceeds pool_bytes ({self.pool_bytes})")
+        return self
+
+
 class Settings(BaseSettings):
     """All settings of ``kvsidecar serve``. Durations are seconds."""
 
@@ -224,6 +251,8 @@ class Settings(BaseSettings):
     # descriptor runs average fewer bytes than this go through a registered staging buffer and a
     # local numpy permutation instead of one NIXL descriptor per run (bench/README.md).
     staging_below_bytes: int = Field(default=16384, ge=0, le=1 << 30)
+    # GPU KV through the sidecar's pinned host pool (across nodes; see HostStagingSettings).
+    host_staging: HostStagingSettings = Field(default_factory=HostStagingSettings)
 
     # mTLS between sidecars: all three set enables it on the peer port and for outgoing calls.
     peer_tls_cert: Path | None = None

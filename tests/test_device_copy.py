@@ -31,6 +31,7 @@ from sidecar.api.peer import PeerServicer
 from sidecar.config import Settings
 from sidecar.core.node import Node
 from sidecar.core.registry import StreamClosed
+from sidecar.dataplane.contract import RunsSpec
 from sidecar.dataplane.device_copy import PeerWorkerMap, copy_rows, selected_descriptors
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import PlanError, RegionLayout, Slice, WorkerLayout
@@ -429,7 +430,11 @@ def test_a_peer_without_node_local_exports_or_on_another_node_is_read_over_nixl(
             await pull(p_side, d_side, "r", [4], [8])
             await finished(p_side, d_side)
             assert d.blocks([8]) == p.blocks([4])
-            assert [spec.op for spec in fabric.transfers] == ["READ"] and fake.batch_launches == []
+            # No device copy between the GPUs: NIXL READs into D's pinned host-staging pool (DRAM),
+            # then one batched copy pool -> D's GPU (host_staging.py, the cross-node path).
+            (read,) = fabric.transfers
+            assert read.op == "READ" and isinstance(read, RunsSpec) and read.local_mem == "DRAM"
+            assert fake.batch_launches == [1]
             assert d_side.node.context.dataplane.peer_memory.open_handles == 0
 
     asyncio.run(scenario())

@@ -182,3 +182,26 @@ def test_gpu_kv_outlives_a_killed_sidecar_and_registers_again_with_the_restarted
         with SidecarClient(side.socket) as client:
             client.register_worker(registration)
             client.unregister_worker("E", 0)
+
+
+# (mode, P's memory, D's memory): the initiator's engine on the GPU (D pulls, P pushes), the target's
+# in host memory (the staged path end to end) or on the GPU (reached as NIXL reaches it today).
+STAGED = [("pull", "shm", "cuda"), ("push", "cuda", "shm"), ("pull", "cuda", "cuda"), ("push", "cuda", "cuda")]
+
+
+@pytest.mark.parametrize(("mode", "p_memory", "d_memory"), STAGED, ids=["-".join(case) for case in STAGED])
+def test_gpu_kv_across_nodes_goes_through_the_sidecars_pinned_host_staging(
+    sidecars, engines, mode: str, p_memory: str, d_memory: str
+) -> None:
+    """The cross-node path, forced between two sidecars of this node (``host_staging.mode=always``):
+    the initiator copies its engine's GPU blocks to or from its own pinned pool, one batched copy
+    per chunk, while NIXL moves the pool. Every token checked at the destination; the initiator's
+    trace says the path."""
+    staged = ["--set", "host_staging.mode=always"]
+    p_side, d_side = sidecars("p", args=staged), sidecars("d", args=staged)
+    producer = _engine(engines, p_side, "P", "producer", p_memory)
+    consumer = _engine(engines, d_side, "D", "consumer", d_memory)
+    for serial in range(2):
+        _move(producer, consumer, mode, f"staged-{mode}-{serial}", seed=40 + serial)
+    initiator, request_id = (d_side, f"staged-{mode}-1-d") if mode == "pull" else (p_side, f"staged-{mode}-1")
+    assert _paths(initiator.socket, request_id) == {"host_staging"}

@@ -44,6 +44,7 @@ from sidecar.core.registry import Registry
 from sidecar.core.stages import mode_of, stage_durations
 from sidecar.core.trace import Timeline, TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
+from sidecar.dataplane.host_staging import HostStaging
 from sidecar.dataplane.memory import MemoryImporter
 from sidecar.dataplane.plane import DataPlane
 from sidecar.dataplane.transport import NixlTransport
@@ -78,7 +79,11 @@ class Node:
             registry=self.registry,
             peers=self.peers,
             dataplane=DataPlane(
-                self.transport, self.identity.sidecar_id, settings.staging_below_bytes, self._on_notifications
+                self.transport,
+                self.identity.sidecar_id,
+                settings.staging_below_bytes,
+                self._on_notifications,
+                host_staging=HostStaging(self.transport, settings.host_staging),
             ),
             transport=self.transport,
             metrics=self.metrics,

@@ -24,9 +24,13 @@ would have carried (delivered in-process for an engine of this sidecar, through 
 notify for a peer sidecar's). The trace's completion event says ``path=device_copy`` (or
 ``path=nixl``) and measures the copy's own post -> done as ``copy_transfer``.
 
-Size (~750 lines): the device-copy path reuses ``run``'s pairing and notices, so it sits here;
-the next cut is the converted path's DRAM staging pipeline (``_staged`` and its helpers) into a
-module of its own, once the GPU branches that edit this file (host staging) have merged.
+Host staging (a local GPU worker that no device copy serves: another node): either path's rows
+go to ``host_staging`` (``DataPlane._stages``), which copies them GPU <-> the sidecar's pinned
+pool in chunks overlapped with NIXL moving the pool (``path=host_staging``).
+
+Size (~800 lines with the host-staging hook): the device-copy path reuses ``run``'s pairing and
+notices, so it sits here; the next cut is the converted path's DRAM staging pipeline
+(``_staged`` and its helpers) into a module of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from sidecar.dataplane.contract import (
     TransferSpec,
     Transport,
 )
+from sidecar.dataplane.host_staging import PATH as HOST_STAGING
+from sidecar.dataplane.host_staging import HostStaging, StagedMove, describe_staged
 from sidecar.dataplane.integrity import DigestSpan
 from sidecar.dataplane.integrity import granule as digest_granule
 from sidecar.dataplane.memory import region_bytes
@@ -283,14 +289,18 @@ class DataPlane:
         sidecar_id: str,
         staging_below_bytes: int = STAGING_BELOW_BYTES,
         deliver_local: NotificationsCallback | None = None,
+        host_staging: HostStaging | None = None,
     ) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
         self.staging_below_bytes = staging_below_bytes
         # Notifications for this sidecar's own agents (the node's, as if NIXL brought them).
         self._deliver_local = deliver_local
-        # False: NIXL (or host staging) even where a device copy could run.
-        self.device_copy = True
+        # A local GPU worker's transfers through pinned host memory (None: never; host_staging.py).
+        self.host_staging = host_staging
+        # False: NIXL (or host staging) even where a device copy could run; host staging's
+        # "always" mode turns it off (the cross-node path, forced on one node).
+        self.device_copy = not (host_staging is not None and host_staging.forced)
         self.peer_memory = device_copy.PeerMappings()
 
     @staticmethod
@@ -544,6 +554,14 @@ class DataPlane:
 
     async def _traced_converted(self, job: TransferJob, move: ConvertedMove) -> TransferResult:
         span, mine, theirs = move.span, move.worker.agent_name, move.other.agent.name
+        if self._stages(move.worker, move.other):
+            source, dest = (move.remote, move.local) if move.op == "READ" else (move.local, move.remote)
+            try:
+                src, dst = run_descriptors(source, dest, span.first, span.end)
+            except PlanError as exc:
+                return TransferResult(False, f"conversion failed: {exc}")
+            rows = (dst, src) if move.op == "READ" else (src, dst)
+            return await self._host_staged(job, move.worker, move.other, rows, move.payload, move.deadline)
         job.on_step("posted", f"{job.op} {mine} -> {theirs} (converted, tokens {span.first}..{span.end - 1})")
         result = await self._post_converted(move)
         job.on_step("nixl_completion", _describe(job.op, mine, result), _measured(result))
@@ -647,6 +665,12 @@ class DataPlane:
         deadline: float,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
+        if self._stages(worker, other):
+            rows = (
+                device_copy.selected_descriptors(worker.layout, pairing.initiator_slice, local_ids),
+                device_copy.selected_descriptors(other.layout, pairing.target_slice, remote_ids),
+            )
+            return await self._host_staged(job, worker, other, rows, payload, deadline)
         job.on_step(
             "posted", f"{job.op} {worker.agent_name} -> {other.agent.name} ({len(remote_ids)} blocks x regions)"
         )
@@ -665,6 +689,32 @@ class DataPlane:
             )
         )
         job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result, resumed=True))
+        return result
+
+    def _stages(self, worker: LocalWorker, other: WorkerView) -> bool:
+        """Whether this pair's bytes go through the pinned host pool (host_staging.py)."""
+        staging = self.host_staging
+        return staging is not None and staging.applies(worker.mem_type, other.agent.name, other.mem_type)
+
+    async def _host_staged(
+        self,
+        job: TransferJob,
+        worker: LocalWorker,
+        other: WorkerView,
+        rows: tuple[np.ndarray, np.ndarray],
+        payload: bytes,
+        deadline: float,
+    ) -> TransferResult:
+        assert self.host_staging is not None
+        mine, theirs = worker.agent_name, other.agent.name
+        job.on_step("posted", f"{job.op} {mine} -> {theirs} ({len(rows[0])} runs) path={HOST_STAGING}")
+        result = await self.host_staging.move(
+            StagedMove(
+                job.op, mine, worker.layout.device_id, other.agent, other.mem_type, rows[0], rows[1], payload,
+                deadline, job.not_after,
+            )
+        )  # fmt: skip
+        job.on_step("nixl_completion", describe_staged(job.op, mine, result), _measured(result))
         return result
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:

@@ -183,6 +183,7 @@ class _Agent:
     lengths: dict[tuple[str, Hashable], np.ndarray] = field(default_factory=dict)
     remotes: dict[str, bytes] = field(default_factory=dict)
     staging: list[Staging] = field(default_factory=list)
+    hosted: set[tuple[int, int]] = field(default_factory=set)  # register_host ranges
 
 
 @dataclass(eq=False)
@@ -316,6 +317,10 @@ class NixlTransport:
     def unstage(self, staging: Staging) -> None:
         """Give a staging buffer back; only once no transfer on it can still be in flight."""
         self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
+
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+        """Register caller-owned host memory with an agent as DRAM, once (see ``Transport``)."""
+        await self._call(self._register_host, agent_name, address, nbytes)
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -674,6 +679,7 @@ class NixlTransport:
             _quietly(state.agent.deregister_memory, registration)
         state.registrations.clear()
         state.staging.clear()  # deregistered above with the other registrations
+        state.hosted.clear()
         # The agent object is dropped here, on the owner thread, so its destructor runs here too.
         del state
 
@@ -845,6 +851,15 @@ class NixlTransport:
         staging = Staging(array, busy=True)
         state.staging.append(staging)
         return staging
+
+    def _register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+        state = self._agents.get(agent_name)
+        if state is None:
+            raise ValueError(f"local agent {agent_name} is gone")
+        if (address, nbytes) in state.hosted:
+            return
+        state.registrations.append(state.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
+        state.hosted.add((address, nbytes))
 
     @staticmethod
     def _return_staging(staging: Staging) -> None:

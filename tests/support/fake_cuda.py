@@ -23,9 +23,11 @@ What it is not: CUDA. No device, no DMA, no asynchrony unless told. Tests contro
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,6 +110,7 @@ class FakeCudaDriver:
     _since_event: dict[int, int] = field(default_factory=dict)  # stream -> launches since its last event
     _errors: dict[int, str] = field(default_factory=dict)  # stream -> error of a copy since its last event
     _events: dict[int, _Event] = field(default_factory=dict)
+    _event_ids: Iterator[int] = field(default_factory=lambda: itertools.count(0x7001))
     _aliases: list[_Alias] = field(default_factory=list)
 
     # --- test controls ---
@@ -198,7 +201,7 @@ class FakeCudaDriver:
         self._enqueue(stream, [(dst, src, nbytes)])
 
     def record_event(self, stream: int) -> int:
-        event = 0x7000 + len(self._events) + 1
+        event = next(self._event_ids)  # never the id of a live event (destroyed ones leave gaps)
         self._events[event] = _Event(ready=not self._streams[stream], error=self._errors.pop(stream, ""))
         self.batch_launches.append(self._since_event.pop(stream, 0))
         return event
