@@ -318,7 +318,8 @@ class MultiTurn:
         # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
         self._new_waits: list[float] = []
         # Measured load vs compute cost, and the prefill legs being measured: loads (request id ->
-        # when the scheduler first asked) and legs P computes (-> when decided, tokens computed).
+        # when the scheduler first asked, tokens loaded) and legs P computes (-> when decided,
+        # tokens computed).
         self.costs = LoadCosts(config.measure_costs)
         self._loading: dict[str, tuple[float, int]] = {}
         self._computing: dict[str, tuple[float, int]] = {}
