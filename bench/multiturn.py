@@ -17,8 +17,14 @@ its own prefix cache lacks). P's prompt tokens by source (``vllm:prompt_tokens_b
 recorded per turn 2 so the table shows what was loaded. Medians per (prefix cache, size, mode) and
 the ratio recompute / reuse.
 
+P runs with the connector's defaults (``multi_turn_query_timeout``, the measured break-even), as a
+user gets them; ``--query-timeout`` sets the bound. With ``--turns N`` every conversation goes on to
+turn N (each turn: the history, D's answer, NEW tokens); the table still times turn 2, and every
+reuse turn from the second (warm-up included) is counted: did P load from D, and its lookup
+outcome (``vllm:kvsidecar_multi_turn_lookups_total``).
+
 Run: ``python -m bench.multiturn [--json bench/out/multiturn.json] [--png bench/out/multiturn.png]
-[--sizes 1024 4096 8192] [--runs 3]``; ``make bench-multiturn``. Kills what it started (process
+[--sizes 1024 4096 8192] [--runs 3] [--turns 2]``; ``make bench-multiturn``. Kills what it started (process
 groups) and removes the shim's /dev/shm files on success, failure and Ctrl-C; every wait is bounded.
 """
 
@@ -47,11 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 ANSWER = 128  # D's answer at turn 1 (tokens)
 NEW = 64  # the user's new message at turn 2 (tokens)
-# P's bound on the cache query. The default (10 ms) is for an idle node; on a shared 2-core VM the
-# answer can take 10-300 ms and the lookup would time out (P recomputes). The answer's latency is
-# part of the measured TTFT either way.
-QUERY_TIMEOUT = 1.0
 SOURCES = ("external_kv_transfer", "local_cache_hit", "local_compute")
+LOOKUPS = "vllm:kvsidecar_multi_turn_lookups_total{"  # P's lookup outcomes (hit, or why it computed)
 # Where a reuse turn's time goes, from P's /metrics (sums of the connector's histograms, seconds):
 # the scheduler holding the request back for its lookup, and the Pull until the KV was in.
 PARTS = {
@@ -70,6 +73,9 @@ class Row:
     mode: str  # "reuse" | "recompute"
     ttft_ms: list[float] = field(default_factory=list)
     sources: list[dict[str, float]] = field(default_factory=list)
+    # Every turn from the second of this row's conversations (warm-up included): P's lookup
+    # outcome and whether it loaded from D.
+    later_turns: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def median_ms(self) -> float:
@@ -95,6 +101,9 @@ def prompt_sources(url: str) -> dict[str, float]:
         for part, name in PARTS.items():
             if line.startswith(name + "{"):
                 found[part] = found.get(part, 0.0) + float(line.rsplit(" ", 1)[1]) * 1000.0  # ms
+        if line.startswith(LOOKUPS) and 'outcome="' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            found[f"lookup:{outcome}"] = found.get(f"lookup:{outcome}", 0.0) + float(line.rsplit(" ", 1)[1])
     return found
 
 
@@ -115,7 +124,11 @@ class Bench:
 
     def server(self, name: str, role: str, cpu: int, socket: Path, prefix_caching: bool = True) -> Server:
         engine_id = f"mtb-{name}-{self.token}"
-        extra = {"multi_turn": True, "transfer_mode": "pull", "multi_turn_query_timeout": QUERY_TIMEOUT}
+        # The connector's own defaults (multi_turn_query_timeout, the measured break-even) unless
+        # --query-timeout is given: what a user gets.
+        extra: dict[str, Any] = {"multi_turn": True, "transfer_mode": "pull"}
+        if self.args.query_timeout:
+            extra["multi_turn_query_timeout"] = self.args.query_timeout
         config = sidecar_kv_transfer_config(engine_id, role, socket, extra)
         flags = [] if prefix_caching else ["--no-enable-prefix-caching"]
         server = Server(
@@ -145,18 +158,35 @@ class Bench:
         deadline = time.monotonic() + 15.0
         while True:  # P's metrics catch up with its last request
             after = prompt_sources(prefill.url)
-            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in (*SOURCES, *PARTS)}
-            if sum(delta[source] for source in SOURCES) >= len(prompt) or time.monotonic() > deadline:
+            delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in {*after, *before}}
+            looked = not reuse or any(value for key, value in delta.items() if key.startswith("lookup:"))
+            counted = sum(delta.get(source, 0.0) for source in SOURCES) >= len(prompt)
+            if (counted and looked) or time.monotonic() > deadline:
                 return ttft_ms, tokens, delta
             time.sleep(0.05)
 
-    def conversation(self, prefill: Server, decode: Server, size: int, reuse: bool) -> tuple[float, dict[str, float]]:
+    def conversation(
+        self, prefill: Server, decode: Server, size: int, reuse: bool, row: Row | None = None
+    ) -> tuple[float, dict[str, float]]:
+        """Turns 1..--turns; returns P's TTFT at turn 2 and its prompt sources. Every turn from the
+        second (D answers ANSWER tokens but at the last) goes to ``row.later_turns``."""
         conversation = f"bench-{uuid.uuid4().hex[:8]}"
         prompt = [self.rng.randrange(3, 1000) for _ in range(size - ANSWER)]
         _, answer, _ = self.turn(prefill, decode, prompt, conversation, True, ANSWER)
-        second = prompt + answer + [self.rng.randrange(3, 1000) for _ in range(NEW)]
-        ttft_ms, _, sources = self.turn(prefill, decode, second, conversation, reuse, 1)
-        return ttft_ms, sources
+        second: tuple[float, dict[str, float]] | None = None
+        for index in range(2, self.args.turns + 1):
+            prompt = prompt + answer + [self.rng.randrange(3, 1000) for _ in range(NEW)]
+            last = index == self.args.turns
+            ttft_ms, answer, sources = self.turn(prefill, decode, prompt, conversation, reuse, 1 if last else ANSWER)
+            second = second or (ttft_ms, sources)
+            outcomes = {key[len("lookup:") :]: value for key, value in sources.items() if key.startswith("lookup:")}
+            if row is not None:
+                row.later_turns.append(
+                    {"turn": index, "history": len(prompt) - NEW, "loaded": sources.get("external_kv_transfer", 0.0),
+                     "ttft_ms": ttft_ms, "outcomes": {k: v for k, v in outcomes.items() if v}}
+                )  # fmt: skip
+        assert second is not None
+        return second
 
     def run(self) -> None:
         a, b = self.sidecar("a"), self.sidecar("b")
@@ -166,10 +196,10 @@ class Bench:
             try:
                 for size in self.args.sizes:
                     rows = {mode: Row(prefix_caching, size, mode) for mode in ("reuse", "recompute")}
-                    self.conversation(prefill, decode, size, True)  # warm-up, not recorded
+                    self.conversation(prefill, decode, size, True, rows["reuse"])  # warm-up: TTFT not recorded
                     for run in range(self.args.runs):
                         for mode in ("reuse", "recompute") if run % 2 == 0 else ("recompute", "reuse"):
-                            ttft_ms, sources = self.conversation(prefill, decode, size, mode == "reuse")
+                            ttft_ms, sources = self.conversation(prefill, decode, size, mode == "reuse", rows[mode])
                             rows[mode].ttft_ms.append(ttft_ms)
                             rows[mode].sources.append(sources)
                             print(f"prefix_caching={prefix_caching} size={size} {mode}: {ttft_ms:.0f} ms {sources}",
@@ -195,6 +225,25 @@ def markdown(rows: list[Row]) -> str:
         lines.append(
             f"| {'on' if caching else 'off'} | {size} | {recompute.median_ms:.0f} ms | {row.median_ms:.0f} ms "
             f"| {recompute.median_ms / row.median_ms:.2f}x | {loaded:.0f} | {parts[0]:.0f}, {parts[1]:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def loaded_turns(rows: list[Row]) -> str:
+    """Per prefix-cache setting and size: reuse turns from the second that loaded from D, and the
+    lookup outcomes of all of them (hit, or why P computed)."""
+    lines = []
+    for row in sorted(rows, key=lambda r: (r.prefix_caching, r.size)):
+        if row.mode != "reuse" or not row.later_turns:
+            continue
+        outcomes: dict[str, float] = {}
+        for turn in row.later_turns:
+            for outcome, count in turn["outcomes"].items():
+                outcomes[outcome] = outcomes.get(outcome, 0.0) + count
+        loaded = sum(1 for turn in row.later_turns if turn["loaded"] > 0)
+        lines.append(
+            f"prefix cache {'on' if row.prefix_caching else 'off'}, {row.size}: {loaded} of {len(row.later_turns)} "
+            f"reuse turns from the second loaded from D; lookups {dict(sorted(outcomes.items()))}"
         )
     return "\n".join(lines)
 
@@ -225,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prefix-caching", choices=("off", "on", "both"), default="both", help="P's prefix cache")
+    parser.add_argument("--turns", type=int, default=2, help="turns per conversation (the table times turn 2)")
+    parser.add_argument(
+        "--query-timeout", type=float, default=0.0, help="P's multi_turn_query_timeout (default: the connector's)"
+    )
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "out" / "multiturn.json")
     parser.add_argument("--png", type=Path, default=REPO / "bench" / "out" / "multiturn.png")
     args = parser.parse_args(argv)
@@ -238,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     table = markdown(bench.rows)
     print(table)
+    print(loaded_turns(bench.rows))
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rows": [asdict(row) for row in bench.rows], "table": table}, indent=1))
+    report = {"rows": [asdict(row) for row in bench.rows], "table": table, "loaded_turns": loaded_turns(bench.rows)}
+    args.json.write_text(json.dumps(report, indent=1))
     plot(bench.rows, args.png)
     return 0
 

@@ -14,16 +14,20 @@ decode engine D. With ``"multi_turn": true`` in ``kv_connector_extra_config``:
   (``do_remote_decode``), asks its sidecar which held prefix matches its prompt: by the router's
   ``remote_request_id`` at ``remote_host:remote_port`` when the router passed D's keys, else by
   ``conversation_id`` on every peer sidecar P's sidecar knows, else by the prompt's block hashes
-  alone on every known peer. ``get_num_new_matched_tokens`` returns ``None`` ("ask again") while
-  the answer is in flight, so ``schedule()`` never waits; past ``multi_turn_query_timeout`` P
-  computes. Only the leading blocks whose hashes equal P's own prompt's are used (an edited
-  history reuses the common prefix only), beyond what P's prefix cache already has, and only if
-  that is at least ``kv_recompute_threshold`` tokens and this engine's measured break-even
-  (``LoadCosts``: a load's time against computing the tokens it saves), and the hold does not
-  expire within ``multi_turn_expiry_margin`` seconds. When P's own prefix cache leaves less than
-  that for any hold to give, P decides without waiting for the query. The load is a ``Pull``
-  from D's sidecar into P's new blocks; a hold released meanwhile fails it explicitly and vLLM
-  recomputes. A router opts one request out with ``"multi_turn": false`` in its
+  alone on every known peer. ``get_num_new_matched_tokens`` returns ``None`` ("ask again")
+  while the answer is in flight, so ``schedule()`` never waits; P computes once the wait is
+  longer than computing what a hold could give takes here (``multi_turn_query_timeout`` until
+  that is measured; the sidecar's fan-out gets the same bound). Only the leading blocks whose
+  hashes equal P's own prompt's are used (an edited history reuses the common prefix only),
+  beyond what P's prefix cache already has, and only if that is at least
+  ``kv_recompute_threshold`` tokens and this engine's measured break-even (``LoadCosts``: a
+  load's time against computing the tokens it saves), and the hold does not expire within
+  ``multi_turn_expiry_margin`` seconds. When P's own prefix cache leaves less than that for any
+  hold to give, P decides without a query (``skip_lookup``); with vLLM's prefix caching on the
+  query starts only when the scheduler first asks (its ``num_computed_tokens`` says what that
+  cache holds), otherwise on the request's arrival. A started lookup is one call. The load is a
+  ``Pull`` from D's sidecar into P's new blocks; a hold released meanwhile fails it explicitly
+  and vLLM recomputes. A router opts one request out with ``"multi_turn": false`` in its
   ``kv_transfer_params``.
 
 Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With the default
@@ -31,7 +35,7 @@ Block hashes are vLLM's own prefix-cache hashes (``request.block_hashes``). With
 non-cryptographic one, set the same ``PYTHONHASHSEED`` on P and D or nothing will match (never
 wrong KV, only no reuse).
 
-Pure policy (``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O.
+Pure policy (``skip_lookup``, ``plan_load``, ``LoadCosts``, ``MultiTurnConfig``, ``hold_params``) does no I/O.
 ``MultiTurn`` holds the per-request lookup state; vLLM's scheduler thread calls all of it; gRPC futures complete on
 the client's RPC threads and are only read here (``done()``/``result()``).
 """
@@ -203,6 +207,28 @@ def plan_load(
     return best
 
 
+def skip_lookup(reachable: int, cached: int, threshold: int, costs: LoadCosts, decide: bool = True) -> tuple[str, bool]:
+    """Whether P looks for a hold at all, decided before any query (no RPC): why not ("" if it
+    does), and whether a lookup below the break-even is let through only to explore (LoadCosts).
+
+    ``reachable``: the most any hold could give (the prompt's full blocks, never its last token);
+    ``cached``: what P's own prefix cache already has of it (vLLM's ``num_computed_tokens``). A
+    hold can add at most the difference; below ``kv_recompute_threshold``, or below what a load
+    costs here against computing it (``LoadCosts``; a tail beyond P's cache is judged by the
+    query-based prior until loads are measured), it is computed. ``decide``: the decision, which
+    LoadCosts' exploration counts; else a check (no count, no exploration)."""
+    floor = max(1, threshold)
+    gives = reachable - cached
+    if gives < floor:
+        return ("local_cache" if cached and reachable >= floor else "below_threshold"), False
+    tail = cached > 0
+    if gives >= costs.break_even_tokens(prior=tail):
+        return "", False
+    if decide and not costs.gate(gives, prior=tail):
+        return "", True
+    return "slower_than_compute", False
+
+
 def hold_params(
     engine_id: str,
     request_id: str,
@@ -248,11 +274,15 @@ def prompt_block_hashes(request: Request, block_size: int) -> list[bytes]:
 class _Lookup:
     future: Future[engine_pb2.QueryCacheResponse]
     deadline: float
+    sent: float = 0.0  # when the query went out
+    done_at: float = 0.0  # when its answer came (set by the RPC thread's done-callback)
     answered: float = 0.0
     holds: list[HeldPrefix] = field(default_factory=list)
     reason: str = ""  # a miss decided before any plan (timeout, query_failed)
     plan: LoadPlan | None = None
     asked: float = 0.0  # when the scheduler first asked (what it waited for the decision runs from)
+    checked: bool = False  # decided on what P's own prefix cache holds (not only prefetched)
+    exploring: bool = False  # started below the break-even (LoadCosts' exploration): not gated again
 
 
 class MultiTurn:
@@ -268,8 +298,12 @@ class MultiTurn:
         engine_id: str,
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
+        prefix_caching: bool = False,
     ) -> None:
         self.config = config
+        # vLLM's prefix caching is on here: what P's own cache holds is known only when the
+        # scheduler first asks (get_num_new_matched_tokens), so lookups are not started earlier.
+        self.prefix_caching = prefix_caching
         self.client = client
         self.engine_id = engine_id
         self.block_size = block_size
@@ -284,9 +318,10 @@ class MultiTurn:
         # Seconds the scheduler held each decided request back for its lookup (0: decided at once).
         self._new_waits: list[float] = []
         # Measured load vs compute cost, and the prefill legs being measured: loads (request id ->
-        # when the scheduler first asked) and legs P computes (-> when decided, tokens computed).
+        # when the scheduler first asked, tokens loaded) and legs P computes (-> when decided,
+        # tokens computed).
         self.costs = LoadCosts(config.measure_costs)
-        self._loading: dict[str, float] = {}
+        self._loading: dict[str, tuple[float, int]] = {}
         self._computing: dict[str, tuple[float, int]] = {}
 
     # P: prefill legs ------------------------------------------------------------------------------
@@ -311,14 +346,14 @@ class MultiTurn:
                 return 0, False
         now = self._clock()
         lookup.asked = lookup.asked or now
+        if not lookup.checked:
+            # The query started (``prefetch``) before vLLM looked in P's own prefix cache: if what
+            # that cache lacks cannot pay for a load, no answer can change the decision, so P
+            # computes now instead of waiting for it.
+            lookup.checked = True
+            lookup.reason, lookup.exploring = self._not_worth_asking(request, num_computed_tokens)
         if lookup.plan is None and not lookup.reason:
-            # The query may have started (``prefetch``) before vLLM looked in P's own prefix cache:
-            # if what that cache lacks is below the threshold, no answer can change the decision,
-            # so P computes now instead of waiting for it.
-            skip = self._not_worth_asking(request, num_computed_tokens)
-            if skip:
-                lookup.reason = skip
-            elif not lookup.future.done():
+            if not lookup.future.done():
                 # Waiting longer than computing the most a hold could give would take cannot pay.
                 pays_for = self.costs.compute_seconds(self._reachable(request) - num_computed_tokens)
                 if pays_for is not None and now - lookup.asked >= pays_for:
@@ -334,6 +369,7 @@ class MultiTurn:
                     logger.info("SidecarConnector: cache query for %s failed: %s", request_id, exc)
                 else:
                     lookup.answered = now
+                    self.costs.record_query((lookup.done_at or now) - lookup.sent)
                     lookup.holds = [HeldPrefix.from_entry(entry) for entry in lookup.future.result().entries]
         if lookup.reason:
             self._decide(request_id, lookup, LoadPlan(0, lookup.reason), now)
@@ -350,7 +386,10 @@ class MultiTurn:
         )
         # The measured break-even, decided once per request (asked again, the answer stands).
         gated = lookup.plan is not None and lookup.plan.reason == "slower_than_compute"
-        if plan.tokens > 0 and (gated or (lookup.plan is None and self.costs.gate(plan.tokens))):
+        # Before loads are measured, a tail beyond P's own prefix cache is judged by the prior.
+        tail = num_computed_tokens > 0
+        gate = lookup.plan is None and not lookup.exploring and self.costs.gate(plan.tokens, prior=tail)
+        if plan.tokens > 0 and (gated or gate):
             plan = LoadPlan(0, "slower_than_compute")
         self._decide(request_id, lookup, plan, now)
         if plan.tokens > 0:
@@ -360,8 +399,12 @@ class MultiTurn:
 
     def prefetch(self, request: Request) -> None:
         """``on_new_request`` of a prefill leg: start the lookup now, so its answer is usually in by
-        the time the scheduler first asks (no ``None`` round)."""
+        the time the scheduler first asks (no ``None`` round). Not with P's prefix cache on: only
+        the scheduler's ask says what that cache holds, and a lookup for a tail that cannot pay
+        for itself is not started at all."""
         params = request.kv_transfer_params or {}
+        if self.prefix_caching:
+            return
         fresh = request.request_id not in self._lookups and not params.get("_multiturn_loaded")
         if fresh and params.get("multi_turn") is not False:
             self._ask(request, params, 0, counted=False)
@@ -371,21 +414,15 @@ class MultiTurn:
         full = len(prompt_block_hashes(request, self.block_size))
         return min(full, (request.num_prompt_tokens - 1) // self.block_size) * self.block_size
 
-    def _not_worth_asking(self, request: Request, num_computed_tokens: int) -> str:
-        """Why no hold could be worth loading for this prompt ("" if one could): at most the
-        prompt's full blocks but the last token can be loaded, minus what P's prefix cache has."""
-        reachable = self._reachable(request)
-        floor = max(1, self.config.recompute_threshold)
-        if reachable - num_computed_tokens < floor:
-            return "local_cache" if num_computed_tokens and reachable >= floor else "below_threshold"
-        if reachable - num_computed_tokens < self.costs.break_even_tokens():
-            return "slower_than_compute"  # even the best hold would save less than it costs here
-        return ""
+    def _not_worth_asking(self, request: Request, num_computed_tokens: int, decide: bool = True) -> tuple[str, bool]:
+        """``skip_lookup`` for this prompt and what P's prefix cache holds of it."""
+        threshold = self.config.recompute_threshold
+        return skip_lookup(self._reachable(request), num_computed_tokens, threshold, self.costs, decide)
 
     def _ask(
         self, request: Request, params: Mapping[str, Any], num_computed_tokens: int, counted: bool = True
     ) -> _Lookup | None:
-        skip = self._not_worth_asking(request, num_computed_tokens)
+        skip, exploring = self._not_worth_asking(request, num_computed_tokens, decide=counted)
         if skip:
             if counted:
                 self._count(skip)  # not worth a query: nothing worth loading could be found
@@ -399,7 +436,8 @@ class MultiTurn:
             host = f"[{host}]" if ":" in str(host) and not str(host).startswith("[") else host  # bare IPv6
             address, remote_request = f"{host}:{int(port)}", str(params["remote_request_id"])
         conversation = "" if remote_request else str(params.get("conversation_id") or "")
-        timeout = self.config.query_timeout
+        timeout = self.query_bound(self._reachable(request) - num_computed_tokens)
+        sent = self._clock()
         future = self.client.query_cache_async(
             self.engine_id,
             address,
@@ -409,13 +447,27 @@ class MultiTurn:
             known_peers=not address,
             timeout_seconds=timeout,
         )
-        future.add_done_callback(_consume)
-        # The sidecar bounds its fan-out by `timeout`; the local round trip gets as long again.
-        lookup = _Lookup(future, self._clock() + 2 * timeout)
+        # The sidecar bounds its fan-out by `timeout`; the local round trip gets query_timeout more.
+        lookup = _Lookup(future, sent + timeout + self.config.query_timeout, sent, checked=counted, exploring=exploring)
+
+        def answered(done: Future[Any]) -> None:
+            lookup.done_at = self._clock()
+            done.exception()  # retrieved: an answer may come too late to be read
+
+        future.add_done_callback(answered)
         self._lookups[request.request_id] = lookup
         while len(self._lookups) > self.MAX_LOOKUPS:
             self._lookups.popitem(last=False)
         return lookup
+
+    def query_bound(self, tokens: int) -> float:
+        """How long a lookup that can give at most ``tokens`` may take: as long as computing them
+        takes here (a later answer cannot pay off, whatever it finds), never less than
+        ``multi_turn_query_timeout``, which alone applies until a prefill leg has been measured.
+        The sidecar's fan-out to its peers gets this bound: a fixed short one made the loads that
+        pay time out on a busy node (answers there take 10-300 ms, a 1k-token prefill 150-550)."""
+        pays_for = self.costs.compute_seconds(tokens) or 0.0
+        return min(60.0, max(self.config.query_timeout, pays_for))
 
     def _decide(self, request_id: str, lookup: _Lookup, plan: LoadPlan, now: float) -> None:
         first = lookup.plan is None
@@ -440,7 +492,8 @@ class MultiTurn:
             request.kv_transfer_params["_multiturn_loaded"] = True
         self.tokens_loaded += num_external_tokens
         self._new_tokens_loaded += num_external_tokens
-        self._loading[request.request_id] = lookup.asked if lookup is not None and lookup.asked else self._clock()
+        asked = lookup.asked if lookup is not None and lookup.asked else self._clock()
+        self._loading[request.request_id] = (asked, num_external_tokens)
         hold = plan.hold
         return remote(
             hold.address,
@@ -474,9 +527,10 @@ class MultiTurn:
 
     def loaded(self, request_id: str) -> None:
         """``update_connector_output``: a request's KV arrived (or failed: it is recomputed)."""
-        asked = self._loading.pop(request_id, None)
-        if asked is not None:
-            self.costs.record_load(self._clock() - asked)
+        loading = self._loading.pop(request_id, None)
+        if loading is not None:
+            asked, tokens = loading
+            self.costs.record_load(self._clock() - asked, tokens)
 
     def forget(self, request_id: str) -> None:
         """The request finished (or was aborted): a lookup not taken is dropped, and a prefill
@@ -521,8 +575,3 @@ class MultiTurn:
             conversation,
         )
         return future, result
-
-
-def _consume(future: Future[Any]) -> None:
-    """Done-callback: retrieve the outcome of a query whose answer may come too late to be read."""
-    future.exception()

@@ -193,8 +193,11 @@ class SchedulerSide:
         # --- multi-turn hook (engine_shim.vllm.multiturn): P loads earlier turns from D's holds; a
         # decode engine (kv_consumer / kv_both) holds its finished requests for the next turn.
         turns = multiturn.MultiTurnConfig.from_extra(transfer.kv_connector_extra_config or {})
+        prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False))
         self.multiturn = (
-            multiturn.MultiTurn(turns, self.client, self.engine_id, self.block_size) if turns.enabled else None
+            multiturn.MultiTurn(turns, self.client, self.engine_id, self.block_size, prefix_caching=prefix_caching)
+            if turns.enabled
+            else None
         )
         self._holds_turns = self.multiturn is not None and transfer.kv_role in ("kv_consumer", "kv_both")
         # A kv_producer's sidecar refuses its Pull: looking up holds would only delay its prompts.
