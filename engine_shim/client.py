@@ -27,10 +27,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -81,6 +83,200 @@ def remote(
 
 
 log = logging.getLogger("kvsidecar.engine_shim")
+
+# --- request builders (the rows of SidecarClient's table name them) ------------------------------
+
+
+def _given_registration(request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerRequest:
+    return request
+
+
+def _unregister_request(engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> engine_pb2.UnregisterWorkerRequest:
+    return engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
+
+
+def _submit_request(
+    engine_id: str,
+    request_id: str,
+    block_ids: BlockIdsLike,
+    transfer_id: str = "",
+    num_tokens: int = 0,
+    lease_seconds: float = 0.0,
+    mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
+    vouched_until_ms: int = 0,
+) -> engine_pb2.SubmitBlocksRequest:
+    return engine_pb2.SubmitBlocksRequest(
+        engine_id=engine_id,
+        request_id=request_id,
+        transfer_id=transfer_id,
+        block_ids=grouped(block_ids),
+        num_tokens=num_tokens,
+        lease_seconds=lease_seconds,
+        mode=mode,  # type: ignore[arg-type]
+        vouched_until_ms=vouched_until_ms,
+    )
+
+
+def _pull_request(
+    engine_id: str,
+    request_id: str,
+    local_block_ids: BlockIdsLike,
+    remote_blocks: engine_pb2.RemoteBlocks,
+    transfer_id: str = "",
+    timeout_seconds: float = 0.0,
+) -> engine_pb2.PullRequest:
+    return engine_pb2.PullRequest(
+        engine_id=engine_id,
+        request_id=request_id,
+        transfer_id=transfer_id,
+        local_block_ids=grouped(local_block_ids),
+        remote=remote_blocks,
+        timeout_seconds=timeout_seconds,
+    )
+
+
+def _keep_alive_request(
+    engine_id: str,
+    request_id: str,
+    remote_blocks: engine_pb2.RemoteBlocks,
+    transfer_id: str = "",
+    timeout_seconds: float = 0.0,
+) -> engine_pb2.KeepAliveRequest:
+    return engine_pb2.KeepAliveRequest(
+        engine_id=engine_id,
+        request_id=request_id,
+        transfer_id=transfer_id,
+        remote=remote_blocks,
+        timeout_seconds=timeout_seconds,
+    )
+
+
+def _expect_push_request(
+    engine_id: str,
+    request_id: str,
+    block_ids: BlockIdsLike,
+    remote_blocks: engine_pb2.RemoteBlocks,
+    transfer_id: str = "",
+    timeout_seconds: float = 0.0,
+) -> engine_pb2.ExpectPushRequest:
+    return engine_pb2.ExpectPushRequest(
+        engine_id=engine_id,
+        request_id=request_id,
+        transfer_id=transfer_id,
+        block_ids=grouped(block_ids),
+        remote=remote_blocks,
+        timeout_seconds=timeout_seconds,
+    )
+
+
+def _release_request(
+    engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
+) -> engine_pb2.ReleaseRequest:
+    return engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
+
+
+def _hold_blocks_request(
+    engine_id: str,
+    request_id: str,
+    block_ids: BlockIdsLike,
+    conversation_id: str = "",
+    num_tokens: int = 0,
+    ttl_seconds: float = 0.0,
+    block_hashes: Sequence[bytes] = (),
+) -> engine_pb2.HoldBlocksRequest:
+    return engine_pb2.HoldBlocksRequest(
+        engine_id=engine_id,
+        request_id=request_id,
+        conversation_id=conversation_id,
+        block_ids=grouped(block_ids),
+        num_tokens=num_tokens,
+        ttl_seconds=ttl_seconds,
+        block_hashes=list(block_hashes),
+    )
+
+
+def _query_cache_request(
+    engine_id: str,
+    address: str = "",
+    conversation_id: str = "",
+    request_id: str = "",
+    block_hashes: Sequence[bytes] = (),
+    known_peers: bool = False,
+    timeout_seconds: float = 0.0,
+) -> engine_pb2.QueryCacheRequest:
+    return engine_pb2.QueryCacheRequest(
+        engine_id=engine_id,
+        address=address,
+        conversation_id=conversation_id,
+        request_id=request_id,
+        block_hashes=list(block_hashes),
+        known_peers=known_peers,
+        timeout_seconds=timeout_seconds,
+    )
+
+
+def _status_request(include_requests: bool = False) -> engine_pb2.GetStatusRequest:
+    return engine_pb2.GetStatusRequest(include_requests=include_requests)
+
+
+# --- the table's machinery -----------------------------------------------------------------------
+
+P = ParamSpec("P")
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+
+@dataclass(frozen=True)
+class EngineRpc(Generic[P, Req, Resp]):
+    """One EngineService RPC the shim calls: its method name, its request builder (whose return
+    type is the request type) and its response type."""
+
+    method: str
+    build: Callable[P, Req]
+    response: type[Resp]
+
+
+# Every row of SidecarClient's table, by method name.
+ENGINE_RPCS: dict[str, EngineRpc[..., Any, Any]] = {}
+
+
+class _Blocking(Generic[P, Req, Resp]):
+    """``client.<name>(...)``: builds the request and waits for the answer (bounded by the client's timeout)."""
+
+    def __init__(self, rpc: EngineRpc[P, Req, Resp]) -> None:
+        self.rpc = rpc
+
+    def __get__(self, client: SidecarClient, owner: type | None = None) -> Callable[P, Resp]:
+        rpc = self.rpc
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> Resp:
+            return client.call(rpc, rpc.build(*args, **kwargs))
+
+        return call
+
+
+class _NonBlocking(Generic[P, Req, Resp]):
+    """``client.<name>_async(...)``: builds the request and returns a Future of the answer."""
+
+    def __init__(self, rpc: EngineRpc[P, Req, Resp]) -> None:
+        self.rpc = rpc
+
+    def __get__(self, client: SidecarClient, owner: type | None = None) -> Callable[P, Future[Resp]]:
+        rpc = self.rpc
+
+        def start(*args: P.args, **kwargs: P.kwargs) -> Future[Resp]:
+            return client.start(rpc, rpc.build(*args, **kwargs))
+
+        return start
+
+
+def engine_rpc(
+    method: str, build: Callable[P, Req], response: type[Resp]
+) -> tuple[staticmethod[P, Req], _Blocking[P, Req, Resp], _NonBlocking[P, Req, Resp]]:
+    """One row of the table: the builder (a static method), the blocking and the non-blocking call."""
+    rpc = EngineRpc(method, build, response)
+    ENGINE_RPCS[method] = rpc
+    return staticmethod(build), _Blocking(rpc), _NonBlocking(rpc)
 
 
 class _CallDetails(
@@ -197,15 +393,21 @@ class SidecarClient:
         while state.polling and not state.callbacks_and_connectivities and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _start(self, method: Callable[..., Any], request: Any) -> concurrent.futures.Future[Any]:
-        """Run one unary call on the RPC threads; the future completes with its response or error."""
-        return self._rpc_threads.submit(self._call, method, request)
+    def call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
+        """One call of ``rpc``, waiting for its answer (bounded by ``timeout``); failures raise
+        ``grpc.RpcError``."""
+        response: Resp = getattr(self.stub, rpc.method)(request, timeout=self.timeout)
+        return response
 
-    def _call(self, method: Callable[..., Any], request: Any) -> Any:
+    def start(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Future[Resp]:
+        """``call`` on the RPC threads; the future completes with its response or error."""
+        return self._rpc_threads.submit(self._call, rpc, request)
+
+    def _call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
         with self._calls_changed:
             self._running += 1
         try:
-            return method(request, timeout=self.timeout)
+            return self.call(rpc, request)
         finally:
             with self._calls_changed:
                 self._running -= 1
@@ -221,211 +423,37 @@ class SidecarClient:
         """Block until the sidecar answers (bounded)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
-    # --- registration ---------------------------------------------------------------------------
+    # --- the calls: one row per EngineService RPC the shim makes ---------------------------------
+    # Each row gives the message builder (``*_request``), the blocking call and the non-blocking one
+    # (``*_async``, a Future), all three generated from the row (``engine_rpc``).
 
-    def register_worker(self, request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerResponse:
-        response: engine_pb2.RegisterWorkerResponse = self.stub.RegisterWorker(request, timeout=self.timeout)
-        return response
-
-    def unregister_worker(
-        self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0
-    ) -> engine_pb2.UnregisterWorkerResponse:
-        request = engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
-        response: engine_pb2.UnregisterWorkerResponse = self.stub.UnregisterWorker(request, timeout=self.timeout)
-        return response
+    register_worker_request, register_worker, register_worker_async = engine_rpc(
+        "RegisterWorker", _given_registration, engine_pb2.RegisterWorkerResponse
+    )
+    unregister_worker_request, unregister_worker, unregister_worker_async = engine_rpc(
+        "UnregisterWorker", _unregister_request, engine_pb2.UnregisterWorkerResponse
+    )
+    submit_request, submit_blocks, submit_blocks_async = engine_rpc(
+        "SubmitBlocks", _submit_request, engine_pb2.SubmitBlocksResponse
+    )
+    pull_request, pull, pull_async = engine_rpc("Pull", _pull_request, engine_pb2.PullResponse)
+    keep_alive_request, keep_alive, keep_alive_async = engine_rpc(
+        "KeepAlive", _keep_alive_request, engine_pb2.KeepAliveResponse
+    )
+    expect_push_request, expect_push, expect_push_async = engine_rpc(
+        "ExpectPush", _expect_push_request, engine_pb2.ExpectPushResponse
+    )
+    release_request, release, release_async = engine_rpc("Release", _release_request, engine_pb2.ReleaseResponse)
+    hold_blocks_request, hold_blocks, hold_blocks_async = engine_rpc(
+        "HoldBlocks", _hold_blocks_request, engine_pb2.HoldBlocksResponse
+    )
+    query_cache_request, query_cache, query_cache_async = engine_rpc(
+        "QueryCache", _query_cache_request, engine_pb2.QueryCacheResponse
+    )
+    status_request, status, status_async = engine_rpc("GetStatus", _status_request, engine_pb2.GetStatusResponse)
 
     def watch(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> EventWatcher:
         return EventWatcher(self, engine_id, tp_rank, pp_rank)
-
-    # --- request calls --------------------------------------------------------------------------
-
-    @staticmethod
-    def submit_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        transfer_id: str = "",
-        num_tokens: int = 0,
-        lease_seconds: float = 0.0,
-        mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
-        vouched_until_ms: int = 0,
-    ) -> engine_pb2.SubmitBlocksRequest:
-        return engine_pb2.SubmitBlocksRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            block_ids=grouped(block_ids),
-            num_tokens=num_tokens,
-            lease_seconds=lease_seconds,
-            mode=mode,  # type: ignore[arg-type]
-            vouched_until_ms=vouched_until_ms,
-        )
-
-    def submit_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.SubmitBlocksResponse:
-        response: engine_pb2.SubmitBlocksResponse = self.stub.SubmitBlocks(
-            self.submit_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def submit_blocks_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.SubmitBlocksResponse]:
-        return self._start(self.stub.SubmitBlocks, self.submit_request(*args, **kwargs))
-
-    @staticmethod
-    def pull_request(
-        engine_id: str,
-        request_id: str,
-        local_block_ids: BlockIdsLike,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.PullRequest:
-        return engine_pb2.PullRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            local_block_ids=grouped(local_block_ids),
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def pull(self, *args: Any, **kwargs: Any) -> engine_pb2.PullResponse:
-        response: engine_pb2.PullResponse = self.stub.Pull(self.pull_request(*args, **kwargs), timeout=self.timeout)
-        return response
-
-    def pull_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.PullResponse]:
-        return self._start(self.stub.Pull, self.pull_request(*args, **kwargs))
-
-    def keep_alive_async(
-        self,
-        engine_id: str,
-        request_id: str,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> Future[engine_pb2.KeepAliveResponse]:
-        request = engine_pb2.KeepAliveRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-        return self._start(self.stub.KeepAlive, request)
-
-    def keep_alive(self, *args: Any, **kwargs: Any) -> engine_pb2.KeepAliveResponse:
-        response: engine_pb2.KeepAliveResponse = self.keep_alive_async(*args, **kwargs).result()
-        return response
-
-    @staticmethod
-    def expect_push_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.ExpectPushRequest:
-        return engine_pb2.ExpectPushRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            block_ids=grouped(block_ids),
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def expect_push(self, *args: Any, **kwargs: Any) -> engine_pb2.ExpectPushResponse:
-        response: engine_pb2.ExpectPushResponse = self.stub.ExpectPush(
-            self.expect_push_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def expect_push_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.ExpectPushResponse]:
-        return self._start(self.stub.ExpectPush, self.expect_push_request(*args, **kwargs))
-
-    def release(
-        self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
-    ) -> engine_pb2.ReleaseResponse:
-        request = engine_pb2.ReleaseRequest(
-            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
-        )
-        response: engine_pb2.ReleaseResponse = self.stub.Release(request, timeout=self.timeout)
-        return response
-
-    def release_async(
-        self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
-    ) -> Future[engine_pb2.ReleaseResponse]:
-        request = engine_pb2.ReleaseRequest(
-            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
-        )
-        return self._start(self.stub.Release, request)
-
-    @staticmethod
-    def hold_blocks_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        conversation_id: str = "",
-        num_tokens: int = 0,
-        ttl_seconds: float = 0.0,
-        block_hashes: Sequence[bytes] = (),
-    ) -> engine_pb2.HoldBlocksRequest:
-        return engine_pb2.HoldBlocksRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            conversation_id=conversation_id,
-            block_ids=grouped(block_ids),
-            num_tokens=num_tokens,
-            ttl_seconds=ttl_seconds,
-            block_hashes=list(block_hashes),
-        )
-
-    def hold_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.HoldBlocksResponse:
-        response: engine_pb2.HoldBlocksResponse = self.stub.HoldBlocks(
-            self.hold_blocks_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def hold_blocks_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.HoldBlocksResponse]:
-        return self._start(self.stub.HoldBlocks, self.hold_blocks_request(*args, **kwargs))
-
-    @staticmethod
-    def query_cache_request(
-        engine_id: str,
-        address: str = "",
-        conversation_id: str = "",
-        request_id: str = "",
-        block_hashes: Sequence[bytes] = (),
-        known_peers: bool = False,
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.QueryCacheRequest:
-        return engine_pb2.QueryCacheRequest(
-            engine_id=engine_id,
-            address=address,
-            conversation_id=conversation_id,
-            request_id=request_id,
-            block_hashes=list(block_hashes),
-            known_peers=known_peers,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def query_cache(self, *args: Any, **kwargs: Any) -> engine_pb2.QueryCacheResponse:
-        response: engine_pb2.QueryCacheResponse = self.stub.QueryCache(
-            self.query_cache_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def query_cache_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.QueryCacheResponse]:
-        return self._start(self.stub.QueryCache, self.query_cache_request(*args, **kwargs))
-
-    def status(self, include_requests: bool = False) -> engine_pb2.GetStatusResponse:
-        response: engine_pb2.GetStatusResponse = self.stub.GetStatus(
-            engine_pb2.GetStatusRequest(include_requests=include_requests), timeout=self.timeout
-        )
-        return response
-
-    def status_async(self, include_requests: bool = False) -> Future[engine_pb2.GetStatusResponse]:
-        return self._start(self.stub.GetStatus, engine_pb2.GetStatusRequest(include_requests=include_requests))
 
     def subscribe_connectivity(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
         """Call ``callback`` (on a gRPC thread) with every connectivity change of the channel, and
