@@ -34,6 +34,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from engine_shim.session import EngineSession, SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -234,6 +235,9 @@ class EngineRpc(Generic[P, Req, Resp]):
     method: str
     build: Callable[P, Req]
     response: type[Resp]
+    # Rides the session stream when it is open (registration stays unary: once per worker, and
+    # its message can be large).
+    session: bool = True
 
 
 # Every row of SidecarClient's table, by method name.
@@ -271,10 +275,10 @@ class _NonBlocking(Generic[P, Req, Resp]):
 
 
 def engine_rpc(
-    method: str, build: Callable[P, Req], response: type[Resp]
+    method: str, build: Callable[P, Req], response: type[Resp], session: bool = True
 ) -> tuple[staticmethod[P, Req], _Blocking[P, Req, Resp], _NonBlocking[P, Req, Resp]]:
     """One row of the table: the builder (a static method), the blocking and the non-blocking call."""
-    rpc = EngineRpc(method, build, response)
+    rpc = EngineRpc(method, build, response, session)
     ENGINE_RPCS[method] = rpc
     return staticmethod(build), _Blocking(rpc), _NonBlocking(rpc)
 
@@ -288,7 +292,9 @@ class _CallDetails(
     pass
 
 
-class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class SessionToken(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Adds the session token to every call (see the module docstring). Thread-safe."""
 
     def __init__(self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0) -> None:
@@ -330,6 +336,13 @@ class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     def intercept_unary_stream(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._with(details, self.current()), request)
 
+    def intercept_stream_stream(self, continuation: Any, details: grpc.ClientCallDetails, requests: Any) -> Any:
+        return continuation(self._with(details, self.current()), requests)
+
+    def renew(self) -> None:
+        """Ask for a new token (a stream was refused the current one: the sidecar restarted)."""
+        self.current(stale=self.current())
+
 
 def engine_channel(
     socket_path: str | os.PathLike[str] | None = None,
@@ -344,8 +357,14 @@ def engine_channel(
             raise ValueError("give socket_path or target")
         target = f"unix:{os.fspath(socket_path)}"
         auth_socket = auth_socket or auth_socket_for(socket_path)
-    channel = grpc.insecure_channel(target, options=list(options))
-    return grpc.intercept_channel(channel, SessionToken(auth_socket))
+    return _token_channel(target, auth_socket, options)[0]
+
+
+def _token_channel(
+    target: str, auth_socket: str | os.PathLike[str] | None, options: Sequence[tuple[str, Any]]
+) -> tuple[grpc.Channel, SessionToken]:
+    token = SessionToken(auth_socket)
+    return grpc.intercept_channel(grpc.insecure_channel(target, options=list(options)), token), token
 
 
 class SidecarClient:
@@ -360,9 +379,15 @@ class SidecarClient:
         auth_socket: str | Path | None = None,
     ) -> None:
         self.timeout = timeout
-        self._channel = engine_channel(socket_path, target, auth_socket, _CHANNEL_OPTIONS)
-        self.target = target or f"unix:{socket_path}"
+        if target is None:
+            if socket_path is None:
+                raise ValueError("give socket_path or target")
+            auth_socket = auth_socket or auth_socket_for(socket_path)
+        self.target = target or f"unix:{os.fspath(socket_path or '')}"
+        self._channel, token = _token_channel(self.target, auth_socket, _CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        # Request calls ride one stream when it is open (``engine_shim.session``), else unary.
+        self.session = EngineSession(self.stub.Session, token.renew, open_timeout=timeout)
         self._rpc_threads = concurrent.futures.ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix="kvsidecar-rpc")
         # Calls running on the RPC threads (close waits for them, bounded).
         self._calls_changed = threading.Condition()
@@ -374,6 +399,7 @@ class SidecarClient:
         (seen: SIGSEGV in cygrpc with a call to a stopped sidecar in flight at close). It joins no
         thread, so a call's done callback (on an RPC thread) may close the client too."""
         self._rpc_threads.shutdown(wait=False, cancel_futures=True)
+        self.session.close(self.timeout)
         with self._calls_changed:
             self._calls_changed.wait_for(lambda: self._running == 0, timeout=self.timeout)
         self._await_connectivity_poller()
@@ -395,19 +421,36 @@ class SidecarClient:
 
     def call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
         """One call of ``rpc``, waiting for its answer (bounded by ``timeout``); failures raise
-        ``grpc.RpcError``."""
-        response: Resp = getattr(self.stub, rpc.method)(request, timeout=self.timeout)
+        ``grpc.RpcError``. Over the session stream when it is open, else unary."""
+        future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
+        if future is None:
+            return self._unary(rpc, request)
+        try:
+            response: Resp = future.result(timeout=self.timeout + 1.0)  # the session's sweeper fails it first
+        except concurrent.futures.TimeoutError:
+            raise SessionCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         return response
 
     def start(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Future[Resp]:
-        """``call`` on the RPC threads; the future completes with its response or error."""
-        return self._rpc_threads.submit(self._call, rpc, request)
+        """``call`` without waiting: over the session stream when it is open, else unary on the RPC
+        threads; the future completes with its response or error."""
+        future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
+        return future if future is not None else self._rpc_threads.submit(self._call, rpc, request)
+
+    def open_session(self, timeout: float) -> bool:
+        """Open the session stream now and wait (bounded) until it is open; False if it did not
+        open (an older sidecar, or none): calls go unary then."""
+        return self.session.wait_open(timeout)
+
+    def _unary(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
+        response: Resp = getattr(self.stub, rpc.method)(request, timeout=self.timeout)
+        return response
 
     def _call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
         with self._calls_changed:
             self._running += 1
         try:
-            return self.call(rpc, request)
+            return self._unary(rpc, request)
         finally:
             with self._calls_changed:
                 self._running -= 1
@@ -428,10 +471,10 @@ class SidecarClient:
     # (``*_async``, a Future), all three generated from the row (``engine_rpc``).
 
     register_worker_request, register_worker, register_worker_async = engine_rpc(
-        "RegisterWorker", _given_registration, engine_pb2.RegisterWorkerResponse
+        "RegisterWorker", _given_registration, engine_pb2.RegisterWorkerResponse, session=False
     )
     unregister_worker_request, unregister_worker, unregister_worker_async = engine_rpc(
-        "UnregisterWorker", _unregister_request, engine_pb2.UnregisterWorkerResponse
+        "UnregisterWorker", _unregister_request, engine_pb2.UnregisterWorkerResponse, session=False
     )
     submit_request, submit_blocks, submit_blocks_async = engine_rpc(
         "SubmitBlocks", _submit_request, engine_pb2.SubmitBlocksResponse
