@@ -3,18 +3,23 @@
 Used by the vLLM connector (inside vLLM's processes), by simulated engines, the demo and the
 tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stubs and grpc.
 
-- Request calls have a blocking form (``submit_blocks``) and a non-blocking one
-  (``submit_blocks_async``) returning a ``concurrent.futures.Future``, so vLLM's scheduler never
-  waits on the network. The non-blocking calls run as blocking calls on a few long-lived RPC
-  threads: grpc's own futures start a fresh "channel spin" thread whenever the channel was idle,
-  and ``Thread.start()`` waits until that thread runs, which stalled vLLM's scheduler thread for
-  30-400 ms on a busy 2-core machine.
+- The calls come from one table in ``SidecarClient`` (one ``engine_rpc`` row per RPC: method,
+  request builder from ``engine_shim.messages``, response type), which generates each call's
+  builder (``submit_request``), blocking form (``submit_blocks``) and non-blocking form
+  (``submit_blocks_async``, a ``concurrent.futures.Future``), so vLLM's scheduler never waits on
+  the network. Every call goes through ``SidecarClient.call`` / ``start``.
+- Request calls ride the engine session stream (``engine_shim.session``: one stream per client,
+  calls batched) when it is open, else they are unary. Non-blocking unary calls run as blocking
+  calls on a few long-lived RPC threads: grpc's own futures start a fresh "channel spin" thread
+  whenever the channel was idle, and ``Thread.start()`` waits until that thread runs, which
+  stalled vLLM's scheduler thread for 30-400 ms on a busy 2-core machine.
 - ``EventWatcher`` drains one worker's WatchEvents stream in a daemon thread into a queue; the
   owner reads it without blocking (``drain``) or with a bound (``wait``).
 - Every call carries the session token the sidecar's credential socket gave this process after
   checking its uid (``kvsidecar.engine_auth``); ``engine_channel`` is such a channel for code that
   uses the stubs directly (tools, tests). The token is fetched at the first call and again when
-  the sidecar refuses one as stale (it restarted), and that call is retried once.
+  the sidecar refuses one as stale (it restarted), and that call is retried once (a session
+  stream refused so renews it and reopens).
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from engine_shim import messages
+from engine_shim.messages import BlockIdsLike as BlockIdsLike
+from engine_shim.messages import grouped as grouped
+from engine_shim.messages import remote as remote
 from engine_shim.session import EngineSession, SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
-from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
-BlockIdsLike = Sequence[Sequence[int]]
 Future = concurrent.futures.Future
 # Non-blocking calls in flight at once; more queue up (each call has a deadline).
 _RPC_THREADS = 8
@@ -54,171 +62,7 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
-    """vLLM's tuple-of-lists block ids as the proto message."""
-    if block_ids is None:
-        return common_pb2.GroupedBlockIds()
-    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in block_ids])
-
-
-def remote(
-    address: str,
-    engine_id: str,
-    request_id: str = "",
-    block_ids: BlockIdsLike | None = None,
-    tp_size: int = 0,
-    num_tokens: int = 0,
-    voucher: bytes = b"",
-    vouched_until_ms: int = 0,
-) -> engine_pb2.RemoteBlocks:
-    return engine_pb2.RemoteBlocks(
-        address=address,
-        engine_id=engine_id,
-        request_id=request_id,
-        block_ids=grouped(block_ids),
-        tp_size=tp_size,
-        num_tokens=num_tokens,
-        voucher=voucher,
-        vouched_until_ms=vouched_until_ms,
-    )
-
-
 log = logging.getLogger("kvsidecar.engine_shim")
-
-# --- request builders (the rows of SidecarClient's table name them) ------------------------------
-
-
-def _given_registration(request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerRequest:
-    return request
-
-
-def _unregister_request(engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> engine_pb2.UnregisterWorkerRequest:
-    return engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
-
-
-def _submit_request(
-    engine_id: str,
-    request_id: str,
-    block_ids: BlockIdsLike,
-    transfer_id: str = "",
-    num_tokens: int = 0,
-    lease_seconds: float = 0.0,
-    mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
-    vouched_until_ms: int = 0,
-) -> engine_pb2.SubmitBlocksRequest:
-    return engine_pb2.SubmitBlocksRequest(
-        engine_id=engine_id,
-        request_id=request_id,
-        transfer_id=transfer_id,
-        block_ids=grouped(block_ids),
-        num_tokens=num_tokens,
-        lease_seconds=lease_seconds,
-        mode=mode,  # type: ignore[arg-type]
-        vouched_until_ms=vouched_until_ms,
-    )
-
-
-def _pull_request(
-    engine_id: str,
-    request_id: str,
-    local_block_ids: BlockIdsLike,
-    remote_blocks: engine_pb2.RemoteBlocks,
-    transfer_id: str = "",
-    timeout_seconds: float = 0.0,
-) -> engine_pb2.PullRequest:
-    return engine_pb2.PullRequest(
-        engine_id=engine_id,
-        request_id=request_id,
-        transfer_id=transfer_id,
-        local_block_ids=grouped(local_block_ids),
-        remote=remote_blocks,
-        timeout_seconds=timeout_seconds,
-    )
-
-
-def _keep_alive_request(
-    engine_id: str,
-    request_id: str,
-    remote_blocks: engine_pb2.RemoteBlocks,
-    transfer_id: str = "",
-    timeout_seconds: float = 0.0,
-) -> engine_pb2.KeepAliveRequest:
-    return engine_pb2.KeepAliveRequest(
-        engine_id=engine_id,
-        request_id=request_id,
-        transfer_id=transfer_id,
-        remote=remote_blocks,
-        timeout_seconds=timeout_seconds,
-    )
-
-
-def _expect_push_request(
-    engine_id: str,
-    request_id: str,
-    block_ids: BlockIdsLike,
-    remote_blocks: engine_pb2.RemoteBlocks,
-    transfer_id: str = "",
-    timeout_seconds: float = 0.0,
-) -> engine_pb2.ExpectPushRequest:
-    return engine_pb2.ExpectPushRequest(
-        engine_id=engine_id,
-        request_id=request_id,
-        transfer_id=transfer_id,
-        block_ids=grouped(block_ids),
-        remote=remote_blocks,
-        timeout_seconds=timeout_seconds,
-    )
-
-
-def _release_request(
-    engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
-) -> engine_pb2.ReleaseRequest:
-    return engine_pb2.ReleaseRequest(engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason)
-
-
-def _hold_blocks_request(
-    engine_id: str,
-    request_id: str,
-    block_ids: BlockIdsLike,
-    conversation_id: str = "",
-    num_tokens: int = 0,
-    ttl_seconds: float = 0.0,
-    block_hashes: Sequence[bytes] = (),
-) -> engine_pb2.HoldBlocksRequest:
-    return engine_pb2.HoldBlocksRequest(
-        engine_id=engine_id,
-        request_id=request_id,
-        conversation_id=conversation_id,
-        block_ids=grouped(block_ids),
-        num_tokens=num_tokens,
-        ttl_seconds=ttl_seconds,
-        block_hashes=list(block_hashes),
-    )
-
-
-def _query_cache_request(
-    engine_id: str,
-    address: str = "",
-    conversation_id: str = "",
-    request_id: str = "",
-    block_hashes: Sequence[bytes] = (),
-    known_peers: bool = False,
-    timeout_seconds: float = 0.0,
-) -> engine_pb2.QueryCacheRequest:
-    return engine_pb2.QueryCacheRequest(
-        engine_id=engine_id,
-        address=address,
-        conversation_id=conversation_id,
-        request_id=request_id,
-        block_hashes=list(block_hashes),
-        known_peers=known_peers,
-        timeout_seconds=timeout_seconds,
-    )
-
-
-def _status_request(include_requests: bool = False) -> engine_pb2.GetStatusRequest:
-    return engine_pb2.GetStatusRequest(include_requests=include_requests)
-
 
 # --- the table's machinery -----------------------------------------------------------------------
 
@@ -471,29 +315,33 @@ class SidecarClient:
     # (``*_async``, a Future), all three generated from the row (``engine_rpc``).
 
     register_worker_request, register_worker, register_worker_async = engine_rpc(
-        "RegisterWorker", _given_registration, engine_pb2.RegisterWorkerResponse, session=False
+        "RegisterWorker", messages.given_registration, engine_pb2.RegisterWorkerResponse, session=False
     )
     unregister_worker_request, unregister_worker, unregister_worker_async = engine_rpc(
-        "UnregisterWorker", _unregister_request, engine_pb2.UnregisterWorkerResponse, session=False
+        "UnregisterWorker", messages.unregister_request, engine_pb2.UnregisterWorkerResponse, session=False
     )
     submit_request, submit_blocks, submit_blocks_async = engine_rpc(
-        "SubmitBlocks", _submit_request, engine_pb2.SubmitBlocksResponse
+        "SubmitBlocks", messages.submit_request, engine_pb2.SubmitBlocksResponse
     )
-    pull_request, pull, pull_async = engine_rpc("Pull", _pull_request, engine_pb2.PullResponse)
+    pull_request, pull, pull_async = engine_rpc("Pull", messages.pull_request, engine_pb2.PullResponse)
     keep_alive_request, keep_alive, keep_alive_async = engine_rpc(
-        "KeepAlive", _keep_alive_request, engine_pb2.KeepAliveResponse
+        "KeepAlive", messages.keep_alive_request, engine_pb2.KeepAliveResponse
     )
     expect_push_request, expect_push, expect_push_async = engine_rpc(
-        "ExpectPush", _expect_push_request, engine_pb2.ExpectPushResponse
+        "ExpectPush", messages.expect_push_request, engine_pb2.ExpectPushResponse
     )
-    release_request, release, release_async = engine_rpc("Release", _release_request, engine_pb2.ReleaseResponse)
+    release_request, release, release_async = engine_rpc(
+        "Release", messages.release_request, engine_pb2.ReleaseResponse
+    )
     hold_blocks_request, hold_blocks, hold_blocks_async = engine_rpc(
-        "HoldBlocks", _hold_blocks_request, engine_pb2.HoldBlocksResponse
+        "HoldBlocks", messages.hold_blocks_request, engine_pb2.HoldBlocksResponse
     )
     query_cache_request, query_cache, query_cache_async = engine_rpc(
-        "QueryCache", _query_cache_request, engine_pb2.QueryCacheResponse
+        "QueryCache", messages.query_cache_request, engine_pb2.QueryCacheResponse
     )
-    status_request, status, status_async = engine_rpc("GetStatus", _status_request, engine_pb2.GetStatusResponse)
+    status_request, status, status_async = engine_rpc(
+        "GetStatus", messages.status_request, engine_pb2.GetStatusResponse
+    )
 
     def watch(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> EventWatcher:
         return EventWatcher(self, engine_id, tp_rank, pp_rank)

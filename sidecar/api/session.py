@@ -37,6 +37,12 @@ SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"]
 # How often an open session looks whether the sidecar drains (one timer per sidecar, not per call).
 _DRAIN_POLL_S = 0.25
 _STOP = object()  # ends a session's answer queue
+# Answers ready together go in one message up to about this size (the rest in the next one).
+_BATCH_BYTES = 4 * 1024 * 1024
+
+
+def _size(item: Any) -> int:
+    return len(item.response) + len(item.message) if isinstance(item, engine_pb2.SessionAnswer) else 0
 
 
 class _Answered(Exception):
@@ -99,8 +105,10 @@ class SessionDispatcher:
             yield engine_pb2.SessionAnswers()  # the stream is open (and its token was accepted)
             while True:
                 batch = [await stream.answers.get()]
-                while not stream.answers.empty():
+                size = _size(batch[0])
+                while size < _BATCH_BYTES and not stream.answers.empty():
                     batch.append(stream.answers.get_nowait())
+                    size += _size(batch[-1])
                 answers = [item for item in batch if item is not _STOP]
                 if len(answers) < len(batch):
                     stream.ending = True
