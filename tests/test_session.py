@@ -19,9 +19,13 @@ import grpc
 import pytest
 
 from engine_shim.client import ENGINE_RPCS, SidecarClient, engine_channel, remote
-from kvsidecar.engine_auth import NO_TOKEN
+from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.support.processes import wait_until
+from tests.test_engine_auth import SYSTEM_PYTHON, _as_user
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _unary_only(client: SidecarClient, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,3 +198,46 @@ def test_closing_a_client_from_a_session_answer_callback_does_not_hang(sidecars)
 
     client.status_async().add_done_callback(close)
     assert closed.wait(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as other users")
+@pytest.mark.skipif(SYSTEM_PYTHON is None, reason="no system python3 that other users can run")
+def test_a_session_acts_only_on_its_users_engines_as_unary_calls_do(sidecars, workdir: Path) -> None:
+    os.chmod(workdir, 0o711)
+    owner, other = 65533, 65531
+    side = sidecars("s", args=["--set", "engine_socket_mode=0666", "--set", f"engine_allowed_uids={owner},{other}"])
+    tokens = {uid: _as_user(side.socket, uid, uid)[0]["token"] for uid in (owner, other)}
+    layout = KvLayout(num_layers=2, num_blocks=8, block_len=4096)
+    hostile = [
+        ("Release", engine_pb2.ReleaseRequest(engine_id="eng-a", request_id="r1", reason="hostile")),
+        ("SubmitBlocks", engine_pb2.SubmitBlocksRequest(engine_id="eng-a", request_id="r2")),
+        ("UnregisterWorker", engine_pb2.UnregisterWorkerRequest(engine_id="eng-a")),
+    ]
+
+    def session(uid: int, calls: list[tuple[str, Any]]) -> list[engine_pb2.SessionAnswer]:
+        message = engine_pb2.SessionCalls()
+        for index, (method, request) in enumerate(calls):
+            message.calls.add(call_id=index, method=method, request=request.SerializeToString(), timeout_seconds=10)
+        stream = engine_pb2_grpc.EngineServiceStub(channel).Session(
+            iter([message]), metadata=((TOKEN_KEY, tokens[uid]),)
+        )
+        answers = {answer.call_id: answer for reply in stream for answer in reply.answers}
+        return [answers[index] for index in range(len(calls))]
+
+    with SharedBuffer(layout.total_bytes) as buffer, grpc.insecure_channel(f"unix:{side.socket}") as channel:
+        os.chown(buffer.path, owner, owner)
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        request = kv_registration("eng-a", common_pb2.ENGINE_ROLE_PRODUCER, layout, [buffer.export()])
+        assert stub.RegisterWorker(request, timeout=10, metadata=((TOKEN_KEY, tokens[owner]),)).engine_complete
+        unary = [
+            _outcome(lambda m=m, r=r: getattr(stub, m)(r, timeout=10, metadata=((TOKEN_KEY, tokens[other]),)))
+            for m, r in hostile
+        ]
+        assert {code for code, _ in unary} == {grpc.StatusCode.PERMISSION_DENIED}
+        on_session = [(_CODES[answer.code], answer.message) for answer in session(other, hostile)]
+        assert on_session == unary  # refused, with the same messages
+        # The owner's session acts on it.
+        released, unregistered = session(owner, [hostile[0], hostile[2]])
+        assert released.code == unregistered.code == 0
+        assert not stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=10,
+                                  metadata=((TOKEN_KEY, tokens[owner]),)).engines  # fmt: skip
