@@ -130,7 +130,7 @@ class EngineSession:
         """The call's Future over the open stream, or None (make the unary call) when none is open."""
         with self._lock:
             stream = self._stream
-            if stream is None:
+            if stream is None or self._closed:
                 self._open_locked()
                 return None
             call_id = next(self._ids)

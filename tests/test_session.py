@@ -241,3 +241,14 @@ def test_a_session_acts_only_on_its_users_engines_as_unary_calls_do(sidecars, wo
         assert released.code == unregistered.code == 0
         assert not stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=10,
                                   metadata=((TOKEN_KEY, tokens[owner]),)).engines  # fmt: skip
+
+
+def test_an_open_session_does_not_hold_the_sidecars_shutdown(sidecars) -> None:
+    side = sidecars("s", args=["--set", "shutdown_grace_seconds=60"])
+    with SidecarClient(side.socket, timeout=10) as client:
+        assert client.open_session(10)
+        assert client.status().sidecar.sidecar_id == side.sidecar_id
+        # The server gives open calls the rest of the grace (60 s) to end: the sidecar ends the
+        # session itself when it drains, so it stops well before that.
+        assert side.terminate(timeout=30) == 0
+        wait_until(lambda: not client.session.opened.is_set(), 5, what="the client to see its session end")
