@@ -108,7 +108,8 @@ def _serve(args: argparse.Namespace) -> int:
             value = getattr(args, flag.lstrip("-").replace("-", "_"))
             if value is not None:
                 overrides[setting] = value
-        settings = load_settings(overrides, args.config)
+        flags = {setting: flag for flag, (setting, _, _) in _SERVE_FLAGS.items()}
+        settings = load_settings(overrides, args.config, flags)
         _check_backends(settings.nixl.backends)
     except ConfigError as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
@@ -265,8 +266,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_flag_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """``unrecognized arguments`` plus the real flag or ``--set`` a mistyped one most resembles."""
+    import difflib
+
+    from sidecar.config import setting_names
+
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flag = next((item.partition("=")[0] for item in unknown if item.startswith("--")), None)
+    if flag is None:
+        return message
+    name = flag[2:].replace("-", "_")
+    close_flag = difflib.get_close_matches(flag, [*_SERVE_FLAGS, "--config", "--set", "--parent-pid"], n=1, cutoff=0.75)
+    close_setting = difflib.get_close_matches(name, setting_names(), n=1, cutoff=0.75)
+    if close_setting and close_setting[0] == name:  # a setting without a flag of its own
+        return f"{message} (no flag {flag}; use --set {name}=VALUE)"
+    if close_flag:
+        return f"{message} (did you mean {close_flag[0]}?)"
+    if close_setting:
+        return f"{message} (did you mean --set {close_setting[0]}=VALUE?)"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unknown_flag_hint(parser, unknown))
     result: int = args.func(args)
     return result
 
