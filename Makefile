@@ -75,6 +75,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
+	$(PY) -m sidecar.tools.proto_compat --against accfe2b
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
