@@ -54,9 +54,8 @@ def compile_protos(root: Path) -> descriptor_pb2.FileDescriptorSet:
     return result
 
 
-def export_commit(commit: str, repo: Path, into: Path, proto_dir: str = PROTO_DIR) -> Path:
-    """Write ``proto_dir`` as of ``commit`` under ``into``; CompatError (with the fix) if the
-    commit is not in this clone."""
+def require_commit(commit: str, repo: Path, consequence: str) -> None:
+    """CompatError naming the fix unless ``commit`` is in the clone at ``repo`` (CI's may be shallow)."""
     found = subprocess.run(
         ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
         capture_output=True,
@@ -64,9 +63,15 @@ def export_commit(commit: str, repo: Path, into: Path, proto_dir: str = PROTO_DI
     )
     if found.returncode != 0:
         raise CompatError(
-            f"commit {commit} is not in the clone at {repo} (a shallow clone?): the protos cannot be checked "
-            f"against it; fetch the history (git fetch --unshallow) or the commit (git fetch origin {commit})"
+            f"commit {commit} is not in the clone at {repo} (a shallow clone?): {consequence}; fetch the "
+            f"history (git fetch --unshallow) or the commit (git fetch origin {commit})"
         )
+
+
+def export_commit(commit: str, repo: Path, into: Path, proto_dir: str = PROTO_DIR) -> Path:
+    """Write ``proto_dir`` as of ``commit`` under ``into``; CompatError (with the fix) if the
+    commit is not in this clone."""
+    require_commit(commit, repo, "the protos cannot be checked against it")
     listing = subprocess.run(
         ["git", "-C", str(repo), "ls-tree", "-r", "--name-only", commit, "--", proto_dir],
         capture_output=True,
