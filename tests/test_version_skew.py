@@ -7,17 +7,24 @@ is checked (docs/compatibility.md).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from engine_shim.client import SidecarClient
+from kvsidecar.v1 import common_pb2, peer_pb2
 from sidecar import FEATURES
+from sidecar.config import Settings
+from sidecar.errors import Unimplemented
+from sidecar.metrics import SidecarMetrics
+from sidecar.peers.client import PeerClient
 from sidecar.tools.proto_compat import PINNED_COMMIT, CompatError
 from tests.support.processes import PUSH_MODE, EngineProcess, SidecarProcess, wait_until
 from tests.support.skew import OldCheckout
@@ -177,3 +184,30 @@ def test_multiturn_hold_and_remote_lookup_across_versions(pair: Pair) -> None:
     assert (
         pair.p.engine.command("query", address=pair.d.engine.peer_address, conversation_id="conv-skew")["entries"] == []
     )
+
+
+def test_a_peer_without_an_rpc_is_feature_absent_not_a_failing_peer(tmp_path: Path) -> None:
+    """A newer sidecar calling an RPC an older peer lacks gets UNIMPLEMENTED: ``Unimplemented``
+    (docs/compatibility.md), and the peer's failure count (heartbeats give up on it) stays 0."""
+
+    async def scenario() -> None:
+        server = grpc.aio.server()  # serves no PeerService at all: every RPC is UNIMPLEMENTED
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        settings = Settings(engine_socket=tmp_path / "e.sock", metrics_listen="off", peer_call_timeout_seconds=5)
+
+        async def unload(address: str, names: list[str]) -> None:
+            return None
+
+        client = PeerClient(settings, lambda: common_pb2.SidecarInfo(), unload, SidecarMetrics())
+        address = f"127.0.0.1:{port}"
+        try:
+            for _ in range(3):
+                with pytest.raises(Unimplemented, match="UNIMPLEMENTED"):
+                    await client.query_cache(address, peer_pb2.PeerQueryCacheRequest(conversation_id="c"))
+            assert client.failures(address) == 0
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
