@@ -14,6 +14,7 @@ Not part of the daemon (nothing under sidecar imports it); run by hand as
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -36,19 +37,30 @@ class CompatError(RuntimeError):
 
 
 def compile_protos(root: Path) -> descriptor_pb2.FileDescriptorSet:
-    """Every ``.proto`` under ``root`` compiled into one FileDescriptorSet (imports resolved)."""
-    import grpc_tools  # type: ignore[import-untyped]
-    from grpc_tools import protoc
+    """Every ``.proto`` under ``root`` compiled into one FileDescriptorSet (imports resolved).
 
+    protoc runs in a child process: grpc_tools' compiler module crashed (SIGSEGV) when imported
+    into a process that had loaded other protobuf/gRPC extension modules first (a test run)."""
     files = sorted(str(path.relative_to(root)) for path in root.rglob("*.proto"))
     if not files:
         raise CompatError(f"no .proto files under {root}")
-    builtin = Path(grpc_tools.__file__).parent / "_proto"
+    spec = importlib.util.find_spec("grpc_tools")
+    if spec is None or not spec.submodule_search_locations:
+        raise CompatError("grpc_tools is not installed (make setup installs it)")
+    builtin = Path(next(iter(spec.submodule_search_locations))) / "_proto"
     with tempfile.TemporaryDirectory(prefix="kvs-proto-") as scratch:
         out = Path(scratch) / "set.pb"
-        args = ["protoc", f"-I{root}", f"-I{builtin}", f"--descriptor_set_out={out}", *files]
-        if protoc.main(args) != 0 or not out.exists():
-            raise CompatError(f"protoc could not compile the protos under {root} (its errors are above)")
+        command = [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{root}",
+            f"-I{builtin}",
+            f"--descriptor_set_out={out}",
+        ]
+        compiled = subprocess.run([*command, *files], capture_output=True, text=True, timeout=120)
+        if compiled.returncode != 0 or not out.exists():
+            raise CompatError(f"protoc could not compile the protos under {root}: {compiled.stderr.strip()}")
         result = descriptor_pb2.FileDescriptorSet()
         result.ParseFromString(out.read_bytes())
     return result
