@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
+.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero skew multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,7 @@ proto: setup
 # /dev/shm, which the other worker's tests would move).
 PARALLEL := -n 2 --dist loadfile
 ALONE := vllm or soak
-SKIPPED := not hetero and not multihost_full and not upstream_full
+SKIPPED := not hetero and not multihost_full and not upstream_full and not skew_full
 test: setup upstream
 	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
 	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)"
@@ -52,6 +52,11 @@ test-fast: setup
 # The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
 hetero: setup
 	$(PY) -m pytest -q -m hetero tests/test_hetero.py
+
+# Version skew (docs/compatibility.md): the pinned older commit, built from git into a temporary
+# venv, and this checkout through pull, push and multi-turn both ways; `make test` runs pull.
+skew: setup
+	$(PY) -m pytest -q -m skew tests/test_version_skew.py
 
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup
@@ -76,6 +81,7 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) .ci/line_budget.py
+	$(PY) -m sidecar.tools.proto_compat --against accfe2b
 
 run: setup
 	$(VENV)/bin/kvsidecar serve

@@ -57,3 +57,10 @@ class Unavailable(SidecarError):
 
 class DeadlineExceeded(SidecarError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unimplemented(SidecarError):
+    """A peer answered UNIMPLEMENTED: it is a version without this RPC, so the feature is absent
+    there (docs/compatibility.md); an answer, not a failure of the peer."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

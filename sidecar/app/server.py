@@ -32,13 +32,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2_grpc, selftest_pb2, selftest_pb2_grpc
 from sidecar import __version__
 from sidecar.api.engine import EngineServicer
 from sidecar.api.engine_auth import PEER_SERVICE, CredentialSocket, SessionTokens, TokenInterceptor
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.peer import PeerServicer
 from sidecar.app.liveness import LivenessMonitor
+from sidecar.app.selftest_host import SelfTestServicer, TestEngineHost
 from sidecar.app.systemd import SystemdNotifier
 from sidecar.config import Settings, split_host_port
 from sidecar.core.node import Node
@@ -50,6 +51,7 @@ log = get_logger("kvsidecar.server")
 _PR_SET_PDEATHSIG = 1
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+SELFTEST_SERVICE = selftest_pb2.DESCRIPTOR.services_by_name["SelfTestService"].full_name
 
 
 def _server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -98,6 +100,7 @@ class SidecarServer:
         self._socket_path = Path(settings.engine_socket)
         self._owns_socket = False
         self._credentials: CredentialSocket | None = None
+        self._selftest: TestEngineHost | None = None
 
     async def start(self) -> None:
         settings = self.settings
@@ -134,9 +137,12 @@ class SidecarServer:
         # Peer server: TCP, mTLS when configured.
         self.peer_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
         peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node.routes), self.peer_server)
+        # The far side of `kvsidecar selftest` (sidecar.app.selftest_host): hosts one test engine.
+        self._selftest = TestEngineHost(settings, node.identity.info)
+        selftest_pb2_grpc.add_SelfTestServiceServicer_to_server(SelfTestServicer(self._selftest), self.peer_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.peer_health, self.peer_server)
         reflection.enable_server_reflection(
-            [PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
+            [PEER_SERVICE, SELFTEST_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
         )
         if settings.peer_tls_cert and settings.peer_tls_key and settings.peer_tls_ca:
             # Re-reads the files when they change: rotated certificates need no restart (sidecar.tls).
@@ -213,6 +219,8 @@ class SidecarServer:
             self._liveness_task.cancel()
         await self.engine_health.enter_graceful_shutdown()
         await self.peer_health.enter_graceful_shutdown()
+        if self._selftest is not None:
+            await self._selftest.close()
         if self.node is not None:
             # Keep most of the grace for transfers; the rest is for closing servers.
             await self.node.drain(max(0.0, grace * 0.7))

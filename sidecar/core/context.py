@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from kvsidecar.v1 import common_pb2
-from sidecar import PROTOCOL_VERSION, __version__
+from sidecar import FEATURES, PROTOCOL_VERSION, __version__
 from sidecar.config import Settings
 from sidecar.core.events import WorkerEvents
 from sidecar.core.registry import Registry
@@ -55,6 +55,7 @@ class Identity:
                 vllm=self._registry.engine_versions(),
                 grpc=grpc.__version__,
                 protocol=PROTOCOL_VERSION,
+                features=FEATURES,
             ),
             clock_unix_s=time.time(),
             hostname=socket.gethostname(),

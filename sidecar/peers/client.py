@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
+from sidecar import peer_features
 from sidecar.config import Settings
 from sidecar.dataplane.plane import EngineView, view_from_descriptor
 from sidecar.errors import (
@@ -34,6 +35,7 @@ from sidecar.errors import (
     ResourceExhausted,
     SidecarError,
     Unavailable,
+    Unimplemented,
 )
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
@@ -49,6 +51,7 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: PeerInvalidArgument,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
 }
 
 
@@ -60,6 +63,8 @@ class _PeerState:
     handshake_ms: float = 0.0
     clock_offset_ms: float = 0.0
     consecutive_failures: int = 0
+    # The peer's versions and features at its last handshake (GetStatus shows them).
+    versions: common_pb2.VersionInfo | None = None
 
 
 class PeerClient:
@@ -142,6 +147,7 @@ class PeerClient:
         state.sidecar_id = response.sidecar.sidecar_id
         state.last_seen = time.monotonic()
         state.handshake_ms = elapsed * 1000.0
+        state.versions = response.sidecar.versions
         if response.sidecar.clock_unix_s:
             midpoint = sent_unix + elapsed / 2.0
             state.clock_offset_ms = (response.sidecar.clock_unix_s - midpoint) * 1000.0
@@ -153,6 +159,8 @@ class PeerClient:
             peer=address,
             engine_id=engine_id,
             peer_sidecar_id=response.sidecar.sidecar_id,
+            peer_version=response.sidecar.versions.kvsidecar,
+            peer_features=sorted(peer_features(list(response.sidecar.versions.features))),
             workers=len(view.workers),
             ms=round(elapsed * 1000.0, 2),
         )
@@ -304,8 +312,10 @@ class PeerClient:
                 request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=wait_for_ready
             )
         except grpc.aio.AioRpcError as exc:
-            failed = True
-            self._count_failure(key)
+            # UNIMPLEMENTED is an answer (an older peer without the RPC), not a failing peer.
+            failed = exc.code() != grpc.StatusCode.UNIMPLEMENTED
+            if failed:
+                self._count_failure(key)
             error_type = _STATUS_ERRORS.get(exc.code(), Unavailable)
             raise error_type(f"peer {address}: {exc.code().name}: {exc.details()}") from None
         finally:
@@ -383,6 +393,7 @@ class PeerClient:
                     handshake_ms=state.handshake_ms,
                     clock_offset_ms=state.clock_offset_ms,
                     consecutive_failures=state.consecutive_failures,
+                    versions=state.versions,
                 )
             )
         return rows
