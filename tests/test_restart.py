@@ -125,6 +125,9 @@ def test_blocks_no_consumer_took_go_back_to_the_engine_when_the_drain_bound_ends
             assert held.done.wait(5) and held.kind == "FINISHED_SENDING", (held.kind, held.reason)
             assert "shutting down" in held.reason
             assert 0.7 * grace - 0.2 <= stopped < grace + 5, stopped  # it waited for the consumer, bounded
+            # The log tells the operator what the bound cut off.
+            [drained] = [e for e in p_side.log_events() if e.get("event") == "sidecar_drained"]
+            assert drained["awaiting_consumers"] == 1 and drained["receiving"] == 0, drained
             # The consumer comes after the bound: told, not left waiting (refused or LOAD_FAILED).
             outcome = d.expect("orphan-d")
             try:
