@@ -212,6 +212,15 @@ class Sampler:
         self._stop.set()
         self._thread.join(10)
 
+    def now(self) -> Sample:
+        """One sample, taken on the caller's thread."""
+        channels = {s.name: engine_channel(s.socket) for s in self._sidecars}
+        try:
+            return self.sample(channels)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
     def peak(self, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
         """Per sidecar: the highest RSS, fds and status counters sampled in [since, until]."""
         out: dict[str, Any] = {}
