@@ -150,3 +150,36 @@ def _health(sidecar: SidecarProcess) -> str:
         except grpc.RpcError as exc:
             return exc.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.mark.slow
+def test_a_push_registration_a_draining_producer_refused_leaves_the_blocks_unfenced(sidecars) -> None:
+    """A draining producer's sidecar refuses a new PushReg before registering anything, so no WRITE
+    can follow: D fails the request at once and does not fence its blocks. Fenced blocks that the
+    engine reuses make the restarted producer's first WRITEs into them fail, and UCX then marks D's
+    agent disconnected for every transfer from P: found as ~40 failed pushes within ~1 s of
+    restarting P's sidecar under load (the p-push case above)."""
+    p_side = sidecars("p", ["--set", "shutdown_grace_seconds=5"])
+    d_side = sidecars("d")
+    p = ShimEngine(p_side.socket, "P")
+    try:
+        d = ShimEngine(d_side.socket, "D")
+        try:
+            held = p.expect("orphan")  # keeps P's drain waiting
+            p.client.submit_blocks("P", "orphan", [[0, 1]], num_tokens=32)
+            assert p_side.process is not None
+            p_side.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: _health(p_side) == "NOT_SERVING", 5, 0.02, "NOT_SERVING while draining")
+            outcome = d.expect("late-d")
+            reply = d.client.expect_push(
+                "D", "late-d", [[4, 5]], remote(p.peer_address, "P", "late"), transfer_id="late"
+            )
+            assert not reply.registered
+            assert outcome.done.wait(10) and outcome.kind == "LOAD_FAILED", (outcome.kind, outcome.reason)
+            assert "draining" in outcome.reason and "fenced" not in outcome.reason, outcome.reason
+            assert not [e for e in d_side.log_events() if e.get("event") == "push_fenced"]
+            assert p_side.process.wait(15) == 0 and held.done.wait(5)
+        finally:
+            d.close()
+    finally:
+        p.close()
