@@ -55,6 +55,15 @@ class Unavailable(SidecarError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+DRAINING = "the sidecar is draining for shutdown"
+
+
+class Draining(Unavailable):
+    """A stopping sidecar refused new work before any of it took effect. Its message starts with
+    ``DRAINING``, which is how a peer's client tells it from an UNAVAILABLE that may have reached
+    the peer (a connection lost mid-call)."""
+
+
 class DeadlineExceeded(SidecarError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

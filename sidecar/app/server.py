@@ -223,7 +223,16 @@ class SidecarServer:
             await self._selftest.close()
         if self.node is not None:
             # Keep most of the grace for transfers; the rest is for closing servers.
+            started = time.monotonic()
             await self.node.drain(max(0.0, grace * 0.7))
+            # What the bound cut off is failed or handed back by stop(): the operator sees how much.
+            log.info(
+                "sidecar_drained",
+                seconds=round(time.monotonic() - started, 3),
+                running=len(self.node.tasks),
+                receiving=len(self.node.consumer.requests),
+                awaiting_consumers=self.node.producer.awaiting_consumers(),
+            )
             await self.node.stop()
         remaining = max(0.1, deadline - time.monotonic())
         servers = [server for server in (self.engine_server, self.peer_server) if server is not None]

@@ -63,6 +63,7 @@ from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import EngineView, LocalWorker, TransferJob
 from sidecar.errors import (
     DeadlineExceeded,
+    Draining,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
@@ -314,12 +315,13 @@ class ConsumerSide:
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
-            if isinstance(exc, (DeadlineExceeded, Unavailable)) and pending.push_reg_sent:
+            unsure = isinstance(exc, (DeadlineExceeded, Unavailable)) and not isinstance(exc, Draining)
+            if unsure and pending.push_reg_sent:
                 # The PushReg may have reached a producer that is only slow (or stopped), or whose
                 # answer was lost with the connection: it could still write, though (a producer of
                 # this version) not past the write_by it carried, clocks within the allowance, + a
                 # WRITE's bound (as ours, unknown without its answer). The fence's checks withdraw
-                # the registration there.
+                # the registration there. A draining producer's refusal registered nothing.
                 pending.writes_quiet_at = pending.push_deadline + self._ctx.settings.transfer_timeout_seconds
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:

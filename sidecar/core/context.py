@@ -26,7 +26,7 @@ from sidecar.core.registry import Registry
 from sidecar.core.trace import TraceRecorder
 from sidecar.dataplane.contract import Transport
 from sidecar.dataplane.plane import DataPlane
-from sidecar.errors import ResourceExhausted, Unavailable
+from sidecar.errors import DRAINING, Draining, ResourceExhausted
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.client import PeerClient
@@ -98,7 +98,7 @@ class Tasks:
     def check_capacity(self, current: int) -> None:
         """Refuse new work while draining, or past ``max_pending_requests``."""
         if self.draining:
-            raise Unavailable("the sidecar is draining for shutdown")
+            raise Draining(DRAINING)
         if current >= self._settings.max_pending_requests:
             raise ResourceExhausted(
                 f"{current} requests are pending, the limit is {self._settings.max_pending_requests}"

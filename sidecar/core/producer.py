@@ -512,8 +512,12 @@ class ProducerSide:
         self.finish(pending, kind, reason=reason, hold_end=hold_end)
 
     def awaiting_consumers(self) -> int:
-        """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
-        return sum(1 for pending in self.requests.values() if not pending.held)
+        """Requests whose blocks a consumer has yet to take, what a stopping sidecar waits for:
+        every submission, and a multi-turn hold only while a consumer may be reading it (its
+        heartbeat found the hold: ``readable_until``). Idle holds, which live for minutes, are
+        not waited for: they end at the stop and a later query finds none (P recomputes)."""
+        now = time.monotonic()
+        return sum(1 for pending in self.requests.values() if not pending.held or pending.readable_until > now)
 
     def _add(self, pending: ProducerRequest) -> None:
         self.requests[pending.key] = pending

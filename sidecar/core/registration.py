@@ -31,7 +31,7 @@ from sidecar.core.registry import Engine, Worker, worker_id
 from sidecar.dataplane.memory import ExportSpec, MappedMemory, MemoryImporter
 from sidecar.dataplane.plan.layout import RegionLayout
 from sidecar.dataplane.plane import worker_layout
-from sidecar.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from sidecar.errors import DRAINING, Draining, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.node")
@@ -52,7 +52,7 @@ class Registrations:
         (``api.engine_auth.acting_uid``); None for root, the daemon's uid and in-process callers."""
         ctx = self._ctx
         if ctx.tasks.draining:
-            raise Unavailable("the sidecar is draining for shutdown")
+            raise Draining(DRAINING)
         spec = validation.register_worker(request)
         if ctx.settings.integrity == "digest" and spec.exports[0].kind == "VRAM":
             # Digests are computed by reading the KV from the CPU, which cannot read device memory.

@@ -28,7 +28,9 @@ from sidecar import peer_features
 from sidecar.config import Settings
 from sidecar.dataplane.plane import EngineView, view_from_descriptor
 from sidecar.errors import (
+    DRAINING,
     DeadlineExceeded,
+    Draining,
     FailedPrecondition,
     NotFound,
     PeerInvalidArgument,
@@ -317,6 +319,8 @@ class PeerClient:
             if failed:
                 self._count_failure(key)
             error_type = _STATUS_ERRORS.get(exc.code(), Unavailable)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(DRAINING):
+                error_type = Draining  # refused before it took effect: the peer did nothing of it
             raise error_type(f"peer {address}: {exc.code().name}: {exc.details()}") from None
         finally:
             self._in_flight[address] -= 1
