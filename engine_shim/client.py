@@ -3,18 +3,23 @@
 Used by the vLLM connector (inside vLLM's processes), by simulated engines, the demo and the
 tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stubs and grpc.
 
-- Request calls have a blocking form (``submit_blocks``) and a non-blocking one
-  (``submit_blocks_async``) returning a ``concurrent.futures.Future``, so vLLM's scheduler never
-  waits on the network. The non-blocking calls run as blocking calls on a few long-lived RPC
-  threads: grpc's own futures start a fresh "channel spin" thread whenever the channel was idle,
-  and ``Thread.start()`` waits until that thread runs, which stalled vLLM's scheduler thread for
-  30-400 ms on a busy 2-core machine.
+- The calls come from one table in ``SidecarClient`` (one ``engine_rpc`` row per RPC: method,
+  request builder from ``engine_shim.messages``, response type), which generates each call's
+  builder (``submit_request``), blocking form (``submit_blocks``) and non-blocking form
+  (``submit_blocks_async``, a ``concurrent.futures.Future``), so vLLM's scheduler never waits on
+  the network. Every call goes through ``SidecarClient.call`` / ``start``.
+- Request calls ride the engine session stream (``engine_shim.session``: one stream per client,
+  calls batched) when it is open, else they are unary. Non-blocking unary calls run as blocking
+  calls on a few long-lived RPC threads: grpc's own futures start a fresh "channel spin" thread
+  whenever the channel was idle, and ``Thread.start()`` waits until that thread runs, which
+  stalled vLLM's scheduler thread for 30-400 ms on a busy 2-core machine.
 - ``EventWatcher`` drains one worker's WatchEvents stream in a daemon thread into a queue; the
   owner reads it without blocking (``drain``) or with a bound (``wait``).
 - Every call carries the session token the sidecar's credential socket gave this process after
   checking its uid (``kvsidecar.engine_auth``); ``engine_channel`` is such a channel for code that
   uses the stubs directly (tools, tests). The token is fetched at the first call and again when
-  the sidecar refuses one as stale (it restarted), and that call is retried once.
+  the sidecar refuses one as stale (it restarted), and that call is retried once (a session
+  stream refused so renews it and reopens).
 """
 
 from __future__ import annotations
@@ -27,15 +32,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from engine_shim import messages
+from engine_shim.messages import BlockIdsLike as BlockIdsLike
+from engine_shim.messages import grouped as grouped
+from engine_shim.messages import remote as remote
+from engine_shim.session import EngineSession, SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
-from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
-BlockIdsLike = Sequence[Sequence[int]]
 Future = concurrent.futures.Future
 # Non-blocking calls in flight at once; more queue up (each call has a deadline).
 _RPC_THREADS = 8
@@ -51,36 +62,69 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
-    """vLLM's tuple-of-lists block ids as the proto message."""
-    if block_ids is None:
-        return common_pb2.GroupedBlockIds()
-    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in block_ids])
-
-
-def remote(
-    address: str,
-    engine_id: str,
-    request_id: str = "",
-    block_ids: BlockIdsLike | None = None,
-    tp_size: int = 0,
-    num_tokens: int = 0,
-    voucher: bytes = b"",
-    vouched_until_ms: int = 0,
-) -> engine_pb2.RemoteBlocks:
-    return engine_pb2.RemoteBlocks(
-        address=address,
-        engine_id=engine_id,
-        request_id=request_id,
-        block_ids=grouped(block_ids),
-        tp_size=tp_size,
-        num_tokens=num_tokens,
-        voucher=voucher,
-        vouched_until_ms=vouched_until_ms,
-    )
-
-
 log = logging.getLogger("kvsidecar.engine_shim")
+
+# --- the table's machinery -----------------------------------------------------------------------
+
+P = ParamSpec("P")
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+
+
+@dataclass(frozen=True)
+class EngineRpc(Generic[P, Req, Resp]):
+    """One EngineService RPC the shim calls: its method name, its request builder (whose return
+    type is the request type) and its response type."""
+
+    method: str
+    build: Callable[P, Req]
+    response: type[Resp]
+    # Rides the session stream when it is open (registration stays unary: once per worker, and
+    # its message can be large).
+    session: bool = True
+
+
+# Every row of SidecarClient's table, by method name.
+ENGINE_RPCS: dict[str, EngineRpc[..., Any, Any]] = {}
+
+
+class _Blocking(Generic[P, Req, Resp]):
+    """``client.<name>(...)``: builds the request and waits for the answer (bounded by the client's timeout)."""
+
+    def __init__(self, rpc: EngineRpc[P, Req, Resp]) -> None:
+        self.rpc = rpc
+
+    def __get__(self, client: SidecarClient, owner: type | None = None) -> Callable[P, Resp]:
+        rpc = self.rpc
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> Resp:
+            return client.call(rpc, rpc.build(*args, **kwargs))
+
+        return call
+
+
+class _NonBlocking(Generic[P, Req, Resp]):
+    """``client.<name>_async(...)``: builds the request and returns a Future of the answer."""
+
+    def __init__(self, rpc: EngineRpc[P, Req, Resp]) -> None:
+        self.rpc = rpc
+
+    def __get__(self, client: SidecarClient, owner: type | None = None) -> Callable[P, Future[Resp]]:
+        rpc = self.rpc
+
+        def start(*args: P.args, **kwargs: P.kwargs) -> Future[Resp]:
+            return client.start(rpc, rpc.build(*args, **kwargs))
+
+        return start
+
+
+def engine_rpc(
+    method: str, build: Callable[P, Req], response: type[Resp], session: bool = True
+) -> tuple[staticmethod[P, Req], _Blocking[P, Req, Resp], _NonBlocking[P, Req, Resp]]:
+    """One row of the table: the builder (a static method), the blocking and the non-blocking call."""
+    rpc = EngineRpc(method, build, response, session)
+    ENGINE_RPCS[method] = rpc
+    return staticmethod(build), _Blocking(rpc), _NonBlocking(rpc)
 
 
 class _CallDetails(
@@ -92,7 +136,9 @@ class _CallDetails(
     pass
 
 
-class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class SessionToken(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Adds the session token to every call (see the module docstring). Thread-safe."""
 
     def __init__(self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0) -> None:
@@ -134,6 +180,13 @@ class SessionToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     def intercept_unary_stream(self, continuation: Any, details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._with(details, self.current()), request)
 
+    def intercept_stream_stream(self, continuation: Any, details: grpc.ClientCallDetails, requests: Any) -> Any:
+        return continuation(self._with(details, self.current()), requests)
+
+    def renew(self) -> None:
+        """Ask for a new token (a stream was refused the current one: the sidecar restarted)."""
+        self.current(stale=self.current())
+
 
 def engine_channel(
     socket_path: str | os.PathLike[str] | None = None,
@@ -148,8 +201,14 @@ def engine_channel(
             raise ValueError("give socket_path or target")
         target = f"unix:{os.fspath(socket_path)}"
         auth_socket = auth_socket or auth_socket_for(socket_path)
-    channel = grpc.insecure_channel(target, options=list(options))
-    return grpc.intercept_channel(channel, SessionToken(auth_socket))
+    return _token_channel(target, auth_socket, options)[0]
+
+
+def _token_channel(
+    target: str, auth_socket: str | os.PathLike[str] | None, options: Sequence[tuple[str, Any]]
+) -> tuple[grpc.Channel, SessionToken]:
+    token = SessionToken(auth_socket)
+    return grpc.intercept_channel(grpc.insecure_channel(target, options=list(options)), token), token
 
 
 class SidecarClient:
@@ -164,9 +223,15 @@ class SidecarClient:
         auth_socket: str | Path | None = None,
     ) -> None:
         self.timeout = timeout
-        self._channel = engine_channel(socket_path, target, auth_socket, _CHANNEL_OPTIONS)
-        self.target = target or f"unix:{socket_path}"
+        if target is None:
+            if socket_path is None:
+                raise ValueError("give socket_path or target")
+            auth_socket = auth_socket or auth_socket_for(socket_path)
+        self.target = target or f"unix:{os.fspath(socket_path or '')}"
+        self._channel, token = _token_channel(self.target, auth_socket, _CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        # Request calls ride one stream when it is open (``engine_shim.session``), else unary.
+        self.session = EngineSession(self.stub.Session, token.renew, open_timeout=timeout)
         self._rpc_threads = concurrent.futures.ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix="kvsidecar-rpc")
         # Calls running on the RPC threads (close waits for them, bounded).
         self._calls_changed = threading.Condition()
@@ -178,6 +243,7 @@ class SidecarClient:
         (seen: SIGSEGV in cygrpc with a call to a stopped sidecar in flight at close). It joins no
         thread, so a call's done callback (on an RPC thread) may close the client too."""
         self._rpc_threads.shutdown(wait=False, cancel_futures=True)
+        self.session.close(self.timeout)
         with self._calls_changed:
             self._calls_changed.wait_for(lambda: self._running == 0, timeout=self.timeout)
         self._await_connectivity_poller()
@@ -197,15 +263,38 @@ class SidecarClient:
         while state.polling and not state.callbacks_and_connectivities and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _start(self, method: Callable[..., Any], request: Any) -> concurrent.futures.Future[Any]:
-        """Run one unary call on the RPC threads; the future completes with its response or error."""
-        return self._rpc_threads.submit(self._call, method, request)
+    def call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
+        """One call of ``rpc``, waiting for its answer (bounded by ``timeout``); failures raise
+        ``grpc.RpcError``. Over the session stream when it is open, else unary."""
+        future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
+        if future is None:
+            return self._unary(rpc, request)
+        try:
+            response: Resp = future.result(timeout=self.timeout + 1.0)  # the session's sweeper fails it first
+        except concurrent.futures.TimeoutError:
+            raise SessionCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        return response
 
-    def _call(self, method: Callable[..., Any], request: Any) -> Any:
+    def start(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Future[Resp]:
+        """``call`` without waiting: over the session stream when it is open, else unary on the RPC
+        threads; the future completes with its response or error."""
+        future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
+        return future if future is not None else self._rpc_threads.submit(self._call, rpc, request)
+
+    def open_session(self, timeout: float) -> bool:
+        """Open the session stream now and wait (bounded) until it is open; False if it did not
+        open (an older sidecar, or none): calls go unary then."""
+        return self.session.wait_open(timeout)
+
+    def _unary(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
+        response: Resp = getattr(self.stub, rpc.method)(request, timeout=self.timeout)
+        return response
+
+    def _call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
         with self._calls_changed:
             self._running += 1
         try:
-            return method(request, timeout=self.timeout)
+            return self._unary(rpc, request)
         finally:
             with self._calls_changed:
                 self._running -= 1
@@ -221,211 +310,41 @@ class SidecarClient:
         """Block until the sidecar answers (bounded)."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
-    # --- registration ---------------------------------------------------------------------------
+    # --- the calls: one row per EngineService RPC the shim makes ---------------------------------
+    # Each row gives the message builder (``*_request``), the blocking call and the non-blocking one
+    # (``*_async``, a Future), all three generated from the row (``engine_rpc``).
 
-    def register_worker(self, request: engine_pb2.RegisterWorkerRequest) -> engine_pb2.RegisterWorkerResponse:
-        response: engine_pb2.RegisterWorkerResponse = self.stub.RegisterWorker(request, timeout=self.timeout)
-        return response
-
-    def unregister_worker(
-        self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0
-    ) -> engine_pb2.UnregisterWorkerResponse:
-        request = engine_pb2.UnregisterWorkerRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
-        response: engine_pb2.UnregisterWorkerResponse = self.stub.UnregisterWorker(request, timeout=self.timeout)
-        return response
+    register_worker_request, register_worker, register_worker_async = engine_rpc(
+        "RegisterWorker", messages.given_registration, engine_pb2.RegisterWorkerResponse, session=False
+    )
+    unregister_worker_request, unregister_worker, unregister_worker_async = engine_rpc(
+        "UnregisterWorker", messages.unregister_request, engine_pb2.UnregisterWorkerResponse, session=False
+    )
+    submit_request, submit_blocks, submit_blocks_async = engine_rpc(
+        "SubmitBlocks", messages.submit_request, engine_pb2.SubmitBlocksResponse
+    )
+    pull_request, pull, pull_async = engine_rpc("Pull", messages.pull_request, engine_pb2.PullResponse)
+    keep_alive_request, keep_alive, keep_alive_async = engine_rpc(
+        "KeepAlive", messages.keep_alive_request, engine_pb2.KeepAliveResponse
+    )
+    expect_push_request, expect_push, expect_push_async = engine_rpc(
+        "ExpectPush", messages.expect_push_request, engine_pb2.ExpectPushResponse
+    )
+    release_request, release, release_async = engine_rpc(
+        "Release", messages.release_request, engine_pb2.ReleaseResponse
+    )
+    hold_blocks_request, hold_blocks, hold_blocks_async = engine_rpc(
+        "HoldBlocks", messages.hold_blocks_request, engine_pb2.HoldBlocksResponse
+    )
+    query_cache_request, query_cache, query_cache_async = engine_rpc(
+        "QueryCache", messages.query_cache_request, engine_pb2.QueryCacheResponse
+    )
+    status_request, status, status_async = engine_rpc(
+        "GetStatus", messages.status_request, engine_pb2.GetStatusResponse
+    )
 
     def watch(self, engine_id: str, tp_rank: int = 0, pp_rank: int = 0) -> EventWatcher:
         return EventWatcher(self, engine_id, tp_rank, pp_rank)
-
-    # --- request calls --------------------------------------------------------------------------
-
-    @staticmethod
-    def submit_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        transfer_id: str = "",
-        num_tokens: int = 0,
-        lease_seconds: float = 0.0,
-        mode: int = common_pb2.TRANSFER_MODE_UNSPECIFIED,
-        vouched_until_ms: int = 0,
-    ) -> engine_pb2.SubmitBlocksRequest:
-        return engine_pb2.SubmitBlocksRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            block_ids=grouped(block_ids),
-            num_tokens=num_tokens,
-            lease_seconds=lease_seconds,
-            mode=mode,  # type: ignore[arg-type]
-            vouched_until_ms=vouched_until_ms,
-        )
-
-    def submit_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.SubmitBlocksResponse:
-        response: engine_pb2.SubmitBlocksResponse = self.stub.SubmitBlocks(
-            self.submit_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def submit_blocks_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.SubmitBlocksResponse]:
-        return self._start(self.stub.SubmitBlocks, self.submit_request(*args, **kwargs))
-
-    @staticmethod
-    def pull_request(
-        engine_id: str,
-        request_id: str,
-        local_block_ids: BlockIdsLike,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.PullRequest:
-        return engine_pb2.PullRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            local_block_ids=grouped(local_block_ids),
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def pull(self, *args: Any, **kwargs: Any) -> engine_pb2.PullResponse:
-        response: engine_pb2.PullResponse = self.stub.Pull(self.pull_request(*args, **kwargs), timeout=self.timeout)
-        return response
-
-    def pull_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.PullResponse]:
-        return self._start(self.stub.Pull, self.pull_request(*args, **kwargs))
-
-    def keep_alive_async(
-        self,
-        engine_id: str,
-        request_id: str,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> Future[engine_pb2.KeepAliveResponse]:
-        request = engine_pb2.KeepAliveRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-        return self._start(self.stub.KeepAlive, request)
-
-    def keep_alive(self, *args: Any, **kwargs: Any) -> engine_pb2.KeepAliveResponse:
-        response: engine_pb2.KeepAliveResponse = self.keep_alive_async(*args, **kwargs).result()
-        return response
-
-    @staticmethod
-    def expect_push_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        remote_blocks: engine_pb2.RemoteBlocks,
-        transfer_id: str = "",
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.ExpectPushRequest:
-        return engine_pb2.ExpectPushRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            transfer_id=transfer_id,
-            block_ids=grouped(block_ids),
-            remote=remote_blocks,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def expect_push(self, *args: Any, **kwargs: Any) -> engine_pb2.ExpectPushResponse:
-        response: engine_pb2.ExpectPushResponse = self.stub.ExpectPush(
-            self.expect_push_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def expect_push_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.ExpectPushResponse]:
-        return self._start(self.stub.ExpectPush, self.expect_push_request(*args, **kwargs))
-
-    def release(
-        self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
-    ) -> engine_pb2.ReleaseResponse:
-        request = engine_pb2.ReleaseRequest(
-            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
-        )
-        response: engine_pb2.ReleaseResponse = self.stub.Release(request, timeout=self.timeout)
-        return response
-
-    def release_async(
-        self, engine_id: str, request_id: str, transfer_id: str = "", reason: str = ""
-    ) -> Future[engine_pb2.ReleaseResponse]:
-        request = engine_pb2.ReleaseRequest(
-            engine_id=engine_id, request_id=request_id, transfer_id=transfer_id, reason=reason
-        )
-        return self._start(self.stub.Release, request)
-
-    @staticmethod
-    def hold_blocks_request(
-        engine_id: str,
-        request_id: str,
-        block_ids: BlockIdsLike,
-        conversation_id: str = "",
-        num_tokens: int = 0,
-        ttl_seconds: float = 0.0,
-        block_hashes: Sequence[bytes] = (),
-    ) -> engine_pb2.HoldBlocksRequest:
-        return engine_pb2.HoldBlocksRequest(
-            engine_id=engine_id,
-            request_id=request_id,
-            conversation_id=conversation_id,
-            block_ids=grouped(block_ids),
-            num_tokens=num_tokens,
-            ttl_seconds=ttl_seconds,
-            block_hashes=list(block_hashes),
-        )
-
-    def hold_blocks(self, *args: Any, **kwargs: Any) -> engine_pb2.HoldBlocksResponse:
-        response: engine_pb2.HoldBlocksResponse = self.stub.HoldBlocks(
-            self.hold_blocks_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def hold_blocks_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.HoldBlocksResponse]:
-        return self._start(self.stub.HoldBlocks, self.hold_blocks_request(*args, **kwargs))
-
-    @staticmethod
-    def query_cache_request(
-        engine_id: str,
-        address: str = "",
-        conversation_id: str = "",
-        request_id: str = "",
-        block_hashes: Sequence[bytes] = (),
-        known_peers: bool = False,
-        timeout_seconds: float = 0.0,
-    ) -> engine_pb2.QueryCacheRequest:
-        return engine_pb2.QueryCacheRequest(
-            engine_id=engine_id,
-            address=address,
-            conversation_id=conversation_id,
-            request_id=request_id,
-            block_hashes=list(block_hashes),
-            known_peers=known_peers,
-            timeout_seconds=timeout_seconds,
-        )
-
-    def query_cache(self, *args: Any, **kwargs: Any) -> engine_pb2.QueryCacheResponse:
-        response: engine_pb2.QueryCacheResponse = self.stub.QueryCache(
-            self.query_cache_request(*args, **kwargs), timeout=self.timeout
-        )
-        return response
-
-    def query_cache_async(self, *args: Any, **kwargs: Any) -> Future[engine_pb2.QueryCacheResponse]:
-        return self._start(self.stub.QueryCache, self.query_cache_request(*args, **kwargs))
-
-    def status(self, include_requests: bool = False) -> engine_pb2.GetStatusResponse:
-        response: engine_pb2.GetStatusResponse = self.stub.GetStatus(
-            engine_pb2.GetStatusRequest(include_requests=include_requests), timeout=self.timeout
-        )
-        return response
-
-    def status_async(self, include_requests: bool = False) -> Future[engine_pb2.GetStatusResponse]:
-        return self._start(self.stub.GetStatus, engine_pb2.GetStatusRequest(include_requests=include_requests))
 
     def subscribe_connectivity(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
         """Call ``callback`` (on a gRPC thread) with every connectivity change of the channel, and

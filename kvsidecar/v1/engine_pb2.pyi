@@ -487,3 +487,39 @@ class GetStatusResponse(_message.Message):
     draining: bool
     held_blocks: int
     def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., held_blocks: _Optional[int] = ...) -> None: ...
+
+class SessionCall(_message.Message):
+    __slots__ = ("call_id", "method", "request", "timeout_seconds")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    method: str
+    request: bytes
+    timeout_seconds: float
+    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class SessionCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
+class SessionAnswer(_message.Message):
+    __slots__ = ("call_id", "code", "message", "response")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    response: bytes
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
+
+class SessionAnswers(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[SessionAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ...) -> None: ...

@@ -95,6 +95,11 @@ class EngineServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvsidecar.v1.EngineService/Session',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -195,6 +200,21 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The engine session: one long-lived stream per engine client (a vLLM scheduler or worker
+        process) that carries its unary calls and their answers, several per message when several
+        are ready, instead of one HTTP/2 stream per call. Each call names a unary method of this
+        service and is handled exactly as that RPC (the same session token, checked when the stream
+        opens; the same checks, results, status codes and messages, carried in its answer); the unary
+        RPCs stay the public API. The sidecar's first message is an empty SessionAnswers: the stream
+        is open. A call's timeout_seconds bounds it as a deadline bounds a unary call. The sidecar
+        ends the stream when it shuts down; calls in flight then fail with the stream's status, and
+        the client reconnects. A sidecar without this RPC answers UNIMPLEMENTED: use the unary RPCs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -257,6 +277,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Trace,
                     request_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -583,6 +608,33 @@ class EngineService:
             '/kvsidecar.v1.EngineService/Trace',
             kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
             kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.EngineService/Session',
+            kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,8 @@ then one line calling the part of the node that owns it.
 
 Validation lives in the owners; logging context, metrics and the mapping of errors to statuses
 in ``api.interceptor``; who may act on which engine in ``api.engine_auth`` ("Whose engine").
-Runs on the event loop thread."""
+``Session`` carries these same unary calls on one stream per engine client: ``api.session`` runs
+each through the handler its unary RPC runs. Runs on the event loop thread."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import grpc
 
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from sidecar.api.engine_auth import CALLER, acting_uid
+from sidecar.api.interceptor import CallInterceptor
+from sidecar.api.session import SessionDispatcher
 from sidecar.core.node import Node
 from sidecar.errors import PermissionDenied
 from sidecar.logs import get_logger
@@ -29,6 +32,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._consumer = node.consumer
         self._holds = node.holds
         self._registry = node.registry
+        # The session stream's calls run the handlers the server's interceptor would wrap these
+        # methods in (same metrics, so they count as the unary calls they stand for).
+        self._session = SessionDispatcher(self, CallInterceptor(node.metrics), lambda: node.tasks.draining)
 
     def _may_act(self, engine_id: str, method: str) -> int | None:
         """The caller's uid if it may act only on its own engines (None: on any); refuses a call
@@ -110,3 +116,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.GetStatusResponse:
         return self._node.status(request)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[engine_pb2.SessionCalls], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.SessionAnswers]:
+        async for answers in self._session.serve(request_iterator, context):
+            yield answers

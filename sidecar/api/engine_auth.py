@@ -238,6 +238,14 @@ def _refusing(handler: grpc.RpcMethodHandler, error: PermissionDenied) -> grpc.R
         raise error
         yield  # a generator, as a streaming behavior is
 
+    async def bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise error
+        yield  # a generator, as a streaming behavior is
+
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
+            bidi, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
             stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer

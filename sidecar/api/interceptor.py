@@ -55,11 +55,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         cached = self._wrapped.get(details.method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(handler, details.method)
+        wrapped = self.wrap(handler, details.method)
         self._wrapped[details.method] = (handler, wrapped)
         return wrapped
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+    def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        """``handler`` as every call of ``full_method`` runs it (also each call on the engine
+        session stream, ``api.session``, which runs the unary handlers this returns)."""
         service, _, method = full_method.lstrip("/").rpartition("/")
         deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
@@ -71,6 +73,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, service, method),
+                request_deserializer=deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_bidi(handler.stream_stream, service, method),
                 request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -98,6 +106,16 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             async with self._handled(short, method, context):
                 _reject_undecodable(request)
                 async for item in behavior(request, context):
+                    yield item
+
+        return wrapped
+
+    def _wrap_bidi(self, behavior: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
+        short = service.rsplit(".", 1)[-1]
+
+        async def wrapped(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with self._handled(short, method, context):
+                async for item in behavior(requests, context):
                     yield item
 
         return wrapped

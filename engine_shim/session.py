@@ -1,0 +1,298 @@
+"""The engine session stream, client side: one long-lived ``EngineService.Session`` stream per
+``SidecarClient`` that carries its unary calls and their answers, several per message when several
+are ready (the sidecar runs each through the handler of its unary RPC).
+
+- ``EngineSession.start`` returns a Future of a call's response over the open stream, or None when
+  no stream is open: the caller then makes the unary call, which is always correct. The first
+  call opens the stream (in the background); a sidecar without the RPC (UNIMPLEMENTED, an older
+  one) is asked again only after ``_UNSUPPORTED_RECHECK_S``.
+- A call's answer completes its Future with the response or with a ``SessionCallError``, a
+  ``grpc.RpcError`` carrying the same code and details the unary call would have raised. A call
+  not answered by its deadline fails DEADLINE_EXCEEDED (the sweeper thread), as a unary one does.
+- A stream that breaks fails its calls in flight with the reason (its status) and is reopened at
+  the next call after a backoff (``_MIN_BACKOFF_S`` doubling to ``_MAX_BACKOFF_S``); calls go unary
+  meanwhile. A refusal for a stale session token (the sidecar restarted) renews the token first.
+
+Threads: callers (any thread) put calls on the stream's outbox; gRPC's request thread takes them
+off in batches (``_Stream.requests``); the stream's reader thread ``kvsidecar-session`` opens the
+stream and completes Futures with its answers; the sweeper thread ``kvsidecar-session-deadlines``
+fails calls past their deadline. One lock guards the stream state and the calls in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from kvsidecar.engine_auth import NO_TOKEN
+from kvsidecar.v1 import engine_pb2
+
+log = logging.getLogger("kvsidecar.engine_shim")
+
+_MIN_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+_UNSUPPORTED_RECHECK_S = 60.0
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class SessionCallError(grpc.RpcError):
+    """A call on the session stream failed: the status the unary call would have failed with, or
+    the broken stream's."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Pending:
+    __slots__ = ("future", "response_type")
+
+    def __init__(self, future: concurrent.futures.Future[Any], response_type: type[Message]) -> None:
+        self.future = future
+        self.response_type = response_type
+
+
+class _Stream:
+    """One Session call: the calls waiting to be sent and those waiting for their answers."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.SimpleQueue[engine_pb2.SessionCall | None] = queue.SimpleQueue()
+        self.pending: dict[int, _Pending] = {}
+        self.call: Any = None
+        self.opened = False
+
+    def requests(self) -> Iterator[engine_pb2.SessionCalls]:
+        """What gRPC sends: every call ready at once in one message; None half-closes."""
+        while True:
+            first = self.outbox.get()
+            if first is None:
+                return
+            calls = [first]
+            while True:
+                try:
+                    item = self.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    yield engine_pb2.SessionCalls(calls=calls)
+                    return
+                calls.append(item)
+            yield engine_pb2.SessionCalls(calls=calls)
+
+
+class EngineSession:
+    """The session stream of one client (see the module doc). Thread-safe."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[Iterator[engine_pb2.SessionCalls]], Any],
+        renew_token: Callable[[], None],
+        open_timeout: float,
+    ) -> None:
+        self._open_stream = open_stream
+        self._renew_token = renew_token
+        self._open_timeout = open_timeout
+        self._lock = threading.Lock()
+        self._deadline_changed = threading.Condition(self._lock)
+        self._stream: _Stream | None = None  # the open stream
+        self._opening: _Stream | None = None
+        self._readers: list[threading.Thread] = []
+        self._retry_at = 0.0
+        self._backoff = _MIN_BACKOFF_S
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int, _Stream]] = []
+        self._sweeper: threading.Thread | None = None
+        self.opened = threading.Event()  # set while a stream is open
+
+    # --- calls ------------------------------------------------------------------------------------
+
+    def start(
+        self, method: str, request: Message, response_type: type[Message], timeout: float
+    ) -> concurrent.futures.Future[Any] | None:
+        """The call's Future over the open stream, or None (make the unary call) when none is open."""
+        with self._lock:
+            stream = self._stream
+            if stream is None:
+                self._open_locked()
+                return None
+            call_id = next(self._ids)
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()  # like a call already running: cancel() is refused
+            stream.pending[call_id] = _Pending(future, response_type)
+            deadline = time.monotonic() + timeout
+            heapq.heappush(self._deadlines, (deadline, call_id, stream))
+            if self._deadlines[0][1] == call_id:
+                self._deadline_changed.notify()
+        stream.outbox.put(
+            engine_pb2.SessionCall(
+                call_id=call_id, method=method, request=request.SerializeToString(), timeout_seconds=timeout
+            )
+        )
+        return future
+
+    def wait_open(self, timeout: float) -> bool:
+        """Open the stream if none is, and wait (bounded) until it is; False if it did not open."""
+        with self._lock:
+            if self._stream is None:
+                self._retry_at = 0.0
+                self._open_locked()
+        return self.opened.wait(timeout)
+
+    def close(self, timeout: float) -> None:
+        """Half-close the stream (the sidecar answers the calls in flight, then ends it), wait for
+        that up to ``timeout``, then cancel it; calls still in flight fail CANCELLED."""
+        with self._lock:
+            self._closed = True
+            streams = [stream for stream in (self._stream, self._opening) if stream is not None]
+            readers = list(self._readers)
+            self._deadline_changed.notify_all()
+        for stream in streams:
+            stream.outbox.put(None)
+        # A Future's done callback may close the client: never join the thread running it.
+        readers = [reader for reader in readers if reader is not threading.current_thread()]
+        deadline = time.monotonic() + timeout
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        for stream in streams:
+            if stream.call is not None:
+                stream.call.cancel()
+        for reader in readers:
+            reader.join(1.0)
+        if self._sweeper is not None and self._sweeper is not threading.current_thread():
+            self._sweeper.join(1.0)
+
+    # --- the stream's life -------------------------------------------------------------------------
+
+    def _open_locked(self) -> None:
+        if self._closed or self._opening is not None or time.monotonic() < self._retry_at:
+            return
+        stream = self._opening = _Stream()
+        reader = threading.Thread(target=self._run, args=(stream,), name="kvsidecar-session", daemon=True)
+        self._readers = [thread for thread in self._readers if thread.is_alive()] + [reader]
+        if self._sweeper is None:
+            self._sweeper = threading.Thread(target=self._sweep, name="kvsidecar-session-deadlines", daemon=True)
+            self._sweeper.start()
+        reader.start()
+
+    def _run(self, stream: _Stream) -> None:
+        """Open the stream, then complete calls with its answers until it ends."""
+        code, details = grpc.StatusCode.UNAVAILABLE, "the sidecar ended the engine session stream"
+        timer: threading.Timer | None = None
+        try:
+            stream.call = self._open_stream(stream.requests())
+            # The sidecar's first message says the stream is open; bounded like a call.
+            timer = threading.Timer(self._open_timeout, stream.call.cancel)
+            timer.daemon = True
+            timer.start()
+            next(stream.call)
+            timer.cancel()
+            with self._lock:
+                self._opening = None
+                if self._closed:
+                    stream.outbox.put(None)
+                else:
+                    self._stream = stream
+                    stream.opened = True
+                    self._backoff = _MIN_BACKOFF_S
+                    self.opened.set()
+            log.debug("engine session stream open")
+            for answers in stream.call:
+                for answer in answers.answers:
+                    self._answered(stream, answer)
+        except StopIteration:
+            details = "the sidecar ended the engine session stream before opening it"
+        except grpc.RpcError as exc:
+            code, details = exc.code(), f"the engine session stream broke: {exc.details()}"
+        except Exception as exc:  # a bug here must not leave calls waiting: they fail with it
+            code, details = grpc.StatusCode.INTERNAL, f"the engine session stream failed: {exc!r}"
+            log.exception("engine session stream failed")
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._ended(stream, code, details)
+
+    def _answered(self, stream: _Stream, answer: engine_pb2.SessionAnswer) -> None:
+        with self._lock:
+            pending = stream.pending.pop(answer.call_id, None)
+        if pending is None:
+            return  # past its deadline already
+        if answer.code == 0:
+            pending.future.set_result(pending.response_type.FromString(answer.response))
+        else:
+            pending.future.set_exception(
+                SessionCallError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message)
+            )
+
+    def _ended(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
+        """The stream is over: fail its calls in flight with why, and decide when to reopen."""
+        stale_token = code == grpc.StatusCode.PERMISSION_DENIED and NO_TOKEN in details
+        with self._lock:
+            if self._stream is stream:
+                self._stream = None
+                self.opened.clear()
+            if self._opening is stream:
+                self._opening = None
+            pending, stream.pending = stream.pending, {}
+            now = time.monotonic()
+            if code == grpc.StatusCode.UNIMPLEMENTED and not stream.opened:
+                self._retry_at = now + _UNSUPPORTED_RECHECK_S
+            elif stale_token and not stream.opened:
+                self._retry_at = now  # a new token, and at once (the backoff still bounds a loop)
+                self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
+            else:
+                self._retry_at = now + self._backoff
+                self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
+            closed = self._closed
+        stream.outbox.put(None)  # ends gRPC's request thread
+        if code == grpc.StatusCode.UNIMPLEMENTED and not stream.opened:
+            log.info("the sidecar has no engine session stream (an older one): unary calls")
+        elif not closed:
+            log.warning("engine session stream ended (%s: %s); %d calls in flight fail", code.name, details,
+                        len(pending))  # fmt: skip
+        if stale_token and not closed:
+            self._renew_token()
+        error = SessionCallError(grpc.StatusCode.CANCELLED, "the client closed") if closed else None
+        for call in pending.values():
+            call.future.set_exception(error or SessionCallError(code, details))
+
+    def _sweep(self) -> None:
+        """Fail calls past their deadline (the sidecar bounds them too; this bounds a lost one)."""
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                expired: list[_Pending] = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, call_id, stream = heapq.heappop(self._deadlines)
+                    pending = stream.pending.pop(call_id, None)
+                    if pending is not None:
+                        expired.append(pending)
+                if expired:
+                    self._lock.release()
+                    try:
+                        for pending in expired:
+                            pending.future.set_exception(
+                                SessionCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                            )
+                    finally:
+                        self._lock.acquire()
+                    continue
+                wait = self._deadlines[0][0] - now if self._deadlines else None
+                self._deadline_changed.wait(wait)
