@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import Message
@@ -42,6 +42,7 @@ from sidecar.peers.addresses import SelfAddresses, address_key
 from sidecar.peers.channels import PeerChannels
 from sidecar.peers.routes import LOCAL, PeerRoutes
 from sidecar.peers.rpcs import PeerRpc, Req, Resp, peer_rpc
+from sidecar.peers.stream import NotSent, PeerStreams
 
 log = get_logger("kvsidecar.peers")
 
@@ -90,6 +91,7 @@ class PeerClient:
         # settings.max_peers: with the handshaken peers, whom multi-turn cache queries ask.
         self._callers: dict[str, str] = {}
         self._self_addresses = SelfAddresses()
+        self.streams = PeerStreams()
 
     def bind_local(self, routes: PeerRoutes) -> None:
         """This sidecar's own handlers, for calls to its own address (set once by the node)."""
@@ -194,6 +196,7 @@ class PeerClient:
                     "peer_restarted", peer=info.address, old_sidecar_id=state.sidecar_id, new_sidecar_id=info.sidecar_id
                 )
                 state.sidecar_id = info.sidecar_id
+                self.streams.forget(info.address, info.sidecar_id)
                 await self.forget(info.address, "peer restarted")
 
     def cached_view(self, address: str, engine_id: str) -> EngineView | None:
@@ -219,13 +222,13 @@ class PeerClient:
     # Each is ``await client.<name>(address, request, wait_for_ready=True)`` -> the response.
 
     handshake = peer_rpc("Handshake", peer_pb2.HandshakeRequest, peer_pb2.HandshakeResponse)
-    push_reg = peer_rpc("PushReg", peer_pb2.PushRegRequest, peer_pb2.PushRegResponse, identity=True)
-    heartbeat = peer_rpc("Heartbeat", peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse, identity=True)
+    push_reg = peer_rpc("PushReg", peer_pb2.PushRegRequest, peer_pb2.PushRegResponse, identity=True, stream=True)
+    heartbeat = peer_rpc("Heartbeat", peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse, identity=True, stream=True)
     query_cache = peer_rpc("QueryCache", peer_pb2.PeerQueryCacheRequest, peer_pb2.PeerQueryCacheResponse)
     transfer_failed = peer_rpc(
-        "TransferFailed", peer_pb2.TransferFailedRequest, peer_pb2.TransferFailedResponse, identity=True
+        "TransferFailed", peer_pb2.TransferFailedRequest, peer_pb2.TransferFailedResponse, identity=True, stream=True
     )
-    release = peer_rpc("Release", peer_pb2.PeerReleaseRequest, peer_pb2.PeerReleaseResponse, identity=True)
+    release = peer_rpc("Release", peer_pb2.PeerReleaseRequest, peer_pb2.PeerReleaseResponse, identity=True, stream=True)
     get_digests = peer_rpc("GetDigests", peer_pb2.GetDigestsRequest, peer_pb2.GetDigestsResponse)
     trace = peer_rpc("Trace", common_pb2.TraceRequest, common_pb2.TraceResponse)
 
@@ -248,12 +251,15 @@ class PeerClient:
         stub = await self._channels.stub(address, self._may_close)
         self._in_flight[address] = self._in_flight.get(address, 0) + 1
         failed = False
+        timeout = rpc.timeout(self._settings)
         try:
-            # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
-            # gets until the deadline to come back instead of failing the call at once.
-            response = await getattr(stub, rpc.method)(
-                request, timeout=rpc.timeout(self._settings), wait_for_ready=wait_for_ready
-            )
+            response: Message | None = None
+            if rpc.stream:
+                response = await self._on_stream(address, stub, rpc, request, timeout)
+            if response is None:
+                # wait_for_ready: a peer that is restarting (connection refused, channel backing
+                # off) gets until the deadline to come back instead of failing the call at once.
+                response = await getattr(stub, rpc.method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             failed = True
             self._count_failure(key)
@@ -269,6 +275,22 @@ class PeerClient:
                     await self._channels.close_one(address)
         await self._observe(address, _responder_id(response))
         return cast(Resp, response)
+
+    async def _on_stream(
+        self, address: str, stub: Any, rpc: PeerRpc[Req, Resp], request: Req, timeout: float
+    ) -> Resp | None:
+        """The call on the peer's stream (``peers.stream``); None: send it unary."""
+        stream = self.streams.get(address, stub, self._channels.connected(address))
+        if stream is None:
+            return None
+        try:
+            answer = await stream.call(rpc.method, request, timeout)
+        except NotSent:
+            return None
+        self.streams.answered(stream)
+        response = rpc.response.FromString(answer)
+        stream.sidecar_id = _responder_id(response)
+        return response
 
     def _may_close(self, address: str) -> bool:
         """A channel the pool may close to make room: no call uses it, no handshake needs it."""
@@ -295,6 +317,7 @@ class PeerClient:
         if state.sidecar_id and state.sidecar_id != sidecar_id:
             log.warning("peer_restarted", peer=address, old_sidecar_id=state.sidecar_id, new_sidecar_id=sidecar_id)
             state.sidecar_id = sidecar_id
+            self.streams.forget(address, sidecar_id)
             await self.forget(address, "peer restarted")
         state.sidecar_id = sidecar_id
 
@@ -341,7 +364,13 @@ class PeerClient:
     def failures(self, address: str) -> int:
         return self._failures.get(self._key(address), 0)
 
+    @property
+    def closed(self) -> bool:
+        """Closed (the node stopped): the peer streams we serve end too (``api.peer``)."""
+        return self.streams.closed
+
     async def close(self) -> None:
+        self.streams.close()
         await self._channels.close()
 
 
