@@ -2,12 +2,14 @@
 
 One method per PeerService RPC (``handshake``, ``push_reg``, ``heartbeat``, ``query_cache``,
 ``transfer_failed``, ``release``, ``get_digests``, ``trace``), each a row of one table
-(``peers.rpcs``) and every one a ``PeerClient.call``. Each goes to this sidecar's own handlers through the routing
-table (``peers.routes``) when the address is our own (the same-node path never leaves the
-process), otherwise over a pooled gRPC channel (``peers.channels``) with a deadline. Every
-response names the peer's instance id; a new id means the peer restarted, so everything cached
-about it is dropped (and its NIXL agents unloaded through ``on_peer_restart``) before the next use
-re-handshakes.
+(``peers.rpcs``) and every one a ``PeerClient.call``. Each goes to this sidecar's own handlers
+through the routing table (``peers.routes``) when the address is our own (the same-node path never
+leaves the process), otherwise over a pooled gRPC channel (``peers.channels``) with a deadline: the
+rows marked ``stream`` (PushReg, Heartbeat, TransferFailed, Release) on the peer's open stream
+(``peers.stream``) when there is one, ending exactly as their unary calls would. Every response
+names the peer's instance id; a new id means the peer restarted, so everything cached about it is
+dropped (and its NIXL agents unloaded through ``on_peer_restart``), its stream closed, before the
+next use re-handshakes.
 
 Handshakes are cached per (address, engine) and deduplicated per key: a slow peer delays only the
 requests that need it. Runs on the event loop thread.
@@ -252,6 +254,7 @@ class PeerClient:
         self._in_flight[address] = self._in_flight.get(address, 0) + 1
         failed = False
         timeout = rpc.timeout(self._settings)
+        deadline = time.monotonic() + timeout
         try:
             response: Message | None = None
             if rpc.stream:
@@ -259,7 +262,10 @@ class PeerClient:
             if response is None:
                 # wait_for_ready: a peer that is restarting (connection refused, channel backing
                 # off) gets until the deadline to come back instead of failing the call at once.
-                response = await getattr(stub, rpc.method)(request, timeout=timeout, wait_for_ready=wait_for_ready)
+                # A call the stream gave back unsent keeps what is left of its deadline.
+                response = await getattr(stub, rpc.method)(
+                    request, timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=wait_for_ready
+                )
         except grpc.aio.AioRpcError as exc:
             failed = True
             self._count_failure(key)

@@ -182,6 +182,7 @@ class PeerStreams:
         if stream is None:
             if self.closed or not connected or time.monotonic() < self._retry_at.get(address, 0.0):
                 return None
+            self._retry_at.pop(address, None)  # only peers whose stream failed stay in the table
             stream = self._open[address] = PeerStream(address, stub, self)
             self.opened += 1
             log.info("peer_stream_opened", peer=address)
