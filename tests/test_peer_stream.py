@@ -44,6 +44,7 @@ class Handlers:
     heartbeat for engine "hang" waits for ``proceed``; every call is counted with its identity."""
 
     def __init__(self) -> None:
+        self.sidecar_id = PEER_ID  # the instance answering
         self.calls: list[tuple[str, str]] = []
         self.entered = asyncio.Event()
         self.proceed = asyncio.Event()
@@ -53,7 +54,16 @@ class Handlers:
         if request.engine_id == "hang":
             self.entered.set()
             await self.proceed.wait()
-        return peer_pb2.HeartbeatResponse(sidecar_id=PEER_ID, lease_seconds=7.0, engine_generation=request.engine_id)
+        return peer_pb2.HeartbeatResponse(
+            sidecar_id=self.sidecar_id, lease_seconds=7.0, engine_generation=request.engine_id
+        )
+
+    async def handshake(self, request: peer_pb2.HandshakeRequest) -> peer_pb2.HandshakeResponse:
+        self.calls.append(("Handshake", ""))
+        return peer_pb2.HandshakeResponse(
+            sidecar=common_pb2.SidecarInfo(sidecar_id=self.sidecar_id),
+            engine=peer_pb2.EngineDescriptor(engine_id=request.engine_id),
+        )
 
     async def release(self, request: peer_pb2.PeerReleaseRequest, identity: str) -> peer_pb2.PeerReleaseResponse:
         self.calls.append(("Release", identity))
@@ -68,7 +78,7 @@ class Handlers:
             raise AssertionError("not called here")
 
         return PeerRoutes(
-            handshake=unused,
+            handshake=self.handshake,
             push_reg=unused,
             heartbeat=self.heartbeat,
             query_cache=unused,
@@ -209,6 +219,37 @@ def test_a_broken_stream_fails_its_calls_and_the_next_call_reopens_it(tmp_path: 
                 assert client.failures(address) == 0
             finally:
                 await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_stream_is_not_reused_once_its_peer_restarted(tmp_path: Path) -> None:
+    """The peer's restart is learned elsewhere (it called us with its new instance id) before the
+    old stream's connection is seen to break: the stream the old instance answered on is closed
+    (its call in flight fails) and the next call opens a new one."""
+
+    async def run() -> None:
+        handlers = Handlers()
+        server, port = await _serve(handlers)
+        address = f"127.0.0.1:{port}"
+        try:
+            async with _client(tmp_path) as client:
+                await client.engine(address, "P", "")  # a handshaken peer (its instance id known)
+                await _until_streamed(client, address, lambda: client.heartbeat(address, _heartbeat()))
+                assert client.streams.opened == 1
+                in_flight = asyncio.ensure_future(client.heartbeat(address, _heartbeat("hang")))
+                await asyncio.wait_for(handlers.entered.wait(), 5)
+                handlers.sidecar_id = "restarted"
+                await client.note_caller(common_pb2.SidecarInfo(address=address, sidecar_id="restarted"))
+                with pytest.raises(Unavailable, match="CANCELLED: the peer stream was closed"):
+                    await asyncio.wait_for(in_flight, 5)
+                assert client.cached_view(address, "P") is None  # forgotten, as before the stream
+                answer = await client.heartbeat(address, _heartbeat())
+                assert answer.sidecar_id == "restarted"
+                assert client.streams.opened == 2
+        finally:
+            handlers.proceed.set()
+            await server.stop(0)
 
     asyncio.run(run())
 

@@ -64,6 +64,7 @@ class PeerStream:
         self._outbox: list[engine_pb2.SessionCall] = []
         self._writer: asyncio.Task[None] | None = None
         self.ended: tuple[grpc.StatusCode, str] | None = None
+        self.closed = False  # by us (``close``), not broken
         self.sidecar_id = ""  # the peer instance that answered on it (set by the client)
         self._reader = asyncio.ensure_future(self._read())
 
@@ -121,8 +122,8 @@ class PeerStream:
             details = await self._call.details() or details
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
-        except asyncio.CancelledError:
-            code, details = grpc.StatusCode.CANCELLED, "the peer stream was closed"
+        except asyncio.CancelledError:  # the call was cancelled: by ``close``, or its channel closed
+            code, details = grpc.StatusCode.CANCELLED, "the channel was closed"
         except Exception as exc:  # a transport error grpc did not wrap: still fail the calls
             code, details = grpc.StatusCode.UNAVAILABLE, repr(exc)
         self._end(code, details)
@@ -135,6 +136,8 @@ class PeerStream:
             # Never run there (an older peer; or one that ended the stream once it had answered
             # every call it read): the calls go unary.
             error: Exception = NotSent(details)
+        elif self.closed:
+            error = rpc_error(code, details)
         else:
             error = rpc_error(code, f"the peer stream broke: {details}")
         for future in self._pending.values():
@@ -145,6 +148,7 @@ class PeerStream:
 
     def close(self) -> None:
         """Closed by us: the calls in flight fail CANCELLED (as unary calls on a closed channel)."""
+        self.closed = True
         self._call.cancel()
         self._end(grpc.StatusCode.CANCELLED, "the peer stream was closed")
 
@@ -200,8 +204,8 @@ class PeerStreams:
             log.info("peer_stream_unsupported", peer=address, retry_s=_UNIMPLEMENTED_RETRY_S)
             self._retry_at[address] = time.monotonic() + _UNIMPLEMENTED_RETRY_S
             return
-        if code == grpc.StatusCode.CANCELLED and details == "the peer stream was closed":
-            return  # we closed it
+        if stream.closed:
+            return  # we closed it: no backoff
         backoff = min(_BACKOFF_MAX_S, self._backoff.get(address, _BACKOFF_FIRST_S / 2) * 2)
         self._backoff[address] = backoff
         self._retry_at[address] = time.monotonic() + backoff
