@@ -117,7 +117,9 @@ class SidecarServer:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(node), self.engine_server)
         # PeerService on the local socket too, so one `grpcurl -unix ... list` shows the whole API;
         # EngineService is never exposed on the peer port.
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node.routes), self.engine_server)
+        # One PeerService servicer for both servers; its open peer streams end when the node stops.
+        peer_servicer = PeerServicer(node.routes, interceptor, lambda: node.peers.closed)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(peer_servicer, self.engine_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.engine_health, self.engine_server)
         reflection.enable_server_reflection(
             [ENGINE_SERVICE, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
@@ -136,7 +138,7 @@ class SidecarServer:
 
         # Peer server: TCP, mTLS when configured.
         self.peer_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node.routes), self.peer_server)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(peer_servicer, self.peer_server)
         # The far side of `kvsidecar selftest` (sidecar.app.selftest_host): hosts one test engine.
         self._selftest = TestEngineHost(settings, node.identity.info)
         selftest_pb2_grpc.add_SelfTestServiceServicer_to_server(SelfTestServicer(self._selftest), self.peer_server)
