@@ -307,11 +307,14 @@ class Registrations:
             await asyncio.wait(touching, timeout=ctx.settings.transfer_timeout_seconds + 1.0)
         waited = time.monotonic()
         await ctx.transport.drop_agent(worker.agent_name)
-        for memory in worker.memories:
-            self.memory.release(memory)
-        orphans = [memory.orphan_path for memory in worker.memories if memory.orphan_path]
-        if orphans:
-            ctx.tasks.spawn(self._remove_orphaned_files(orphans), engines=[])
+        # A transfer still running past its deadline is a device copy held until the GPU completes
+        # it (``device_copy.LateCopies``): the memory it writes stays mapped until then.
+        held = [task for task in touching if not task.done()]
+        if held:
+            log.warning("worker_memory_kept_for_late_copy", worker=worker.worker_id, transfers=len(held))
+            ctx.tasks.spawn(self._release_memory_after(worker, held), engines=[])
+        else:
+            self._release_memory(worker)
         ctx.events.close(worker, reason)
         self._update_gauges()
         log.info(
@@ -323,6 +326,20 @@ class Registrations:
             drop_agent_s=round(time.monotonic() - waited, 3),
         )
         return released
+
+    def _release_memory(self, worker: Worker) -> None:
+        for memory in worker.memories:
+            self.memory.release(memory)
+        orphans = [memory.orphan_path for memory in worker.memories if memory.orphan_path]
+        if orphans:
+            self._ctx.tasks.spawn(self._remove_orphaned_files(orphans), engines=[])
+
+    async def _release_memory_after(self, worker: Worker, held: list[asyncio.Task[object]]) -> None:
+        """Unbounded on purpose: a copy that never completes keeps the memory mapped (a leak the
+        operator sees: ``kvsidecar_device_copies_held``), never a write into unmapped memory."""
+        await asyncio.wait(held)
+        self._release_memory(worker)
+        log.info("worker_memory_released_after_late_copy", worker=worker.worker_id)
 
     def detached(self, worker: Worker) -> None:
         """The worker's last event stream closed: the engine restarted or died."""

@@ -22,6 +22,10 @@ Only the last READ/WRITE carries the peer's notification, posted once every othe
 the direct path and it never learns of data still in flight. A slot is lent again only once its
 copy (pull) or WRITE (push) has ended; a copy not done by the deadline keeps its slot out of the
 pool until the GPU reports it done (a late copy must not land in a slot another transfer holds).
+A pull's late copy (slot -> the engine's blocks) may still write those blocks: the transfer's
+failure waits until it completes (``device_copy.LateCopies``), so the engine never gets them back
+under it. A push's late copy only reads the engine's blocks into a slot whose WRITE is never
+posted: the failure goes out at once (what it reads cannot reach the peer).
 
 Target-side staging is not built: a peer whose KV is GPU memory is still reached through the
 memory its own sidecar registered (NIXL's emulation over TCP; an RDMA NIC cannot register it); it
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ import numpy as np
 from sidecar.config import HostStagingSettings
 from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, Transport
+from sidecar.dataplane.device_copy import LateCopies
 from sidecar.dataplane.plan.stage_chunks import StageChunks, cut
 from sidecar.errors import DeadlineExceeded, FailedPrecondition
 from sidecar.logs import get_logger
@@ -168,6 +173,8 @@ class HostStaging:
         # Agents the pool is registered with. The node names agents with a serial (never reused),
         # so a name here stays right; cleared when large (registering again is a no-op there).
         self._registered: set[str] = set()
+        # Pulls' copies past their deadline, whose failure waits for them (the plane shares its own).
+        self.late_copies = LateCopies()
 
     @property
     def forced(self) -> bool:
@@ -219,7 +226,7 @@ class HostStaging:
             slots = await self.pool.lend(min(self.settings.slots, chunks.count), move.deadline)
         except TimeoutError:
             return TransferResult(False, f"{move.op} did not complete within its deadline (no host staging slot free)")
-        pipeline = _Pipeline(self._transport, self.pool, move, chunks, slots)
+        pipeline = _Pipeline(self._transport, self.pool, move, chunks, slots, self.late_copies)
         try:
             return await pipeline.run()
         except Exception as exc:  # a bug must still reach the waiting side as a failed transfer
@@ -254,7 +261,13 @@ class _Pipeline:
     """One staged transfer's chunks in flight (see the module docstring)."""
 
     def __init__(
-        self, transport: Transport, pool: PinnedPool, move: StagedMove, chunks: StageChunks, slots: list[int]
+        self,
+        transport: Transport,
+        pool: PinnedPool,
+        move: StagedMove,
+        chunks: StageChunks,
+        slots: list[int],
+        late_copies: LateCopies,
     ) -> None:
         self._transport = transport
         self._pool = pool
@@ -266,6 +279,8 @@ class _Pipeline:
         self._results: list[TransferResult] = []
         self._failure: TransferResult | None = None
         self._late: set[int] = set()  # slots a copy may still write or read (missed its deadline)
+        self._late_copies = late_copies
+        self._late_pending: list[cuda_ipc.PendingCopy] = []  # those copies, still followed
 
     def _slot(self, chunk: int) -> int:
         return self._slots[chunk % len(self._slots)]
@@ -281,6 +296,8 @@ class _Pipeline:
             self._fail(TransferResult(False, str(exc)))
         finally:
             await self._drain()
+        if self._late_pending:
+            await self._settle_late()
         if self._failure is not None:
             return self._failure
         elapsed = time.monotonic() - started
@@ -337,7 +354,7 @@ class _Pipeline:
         last = chunk == self._chunks.count - 1
         spec = RunsSpec(
             move.agent_name, move.op, move.remote, local, "DRAM", remote, move.remote_mem,
-            move.notification if last else b"", move.deadline, move.not_after,
+            move.notification if last else b"", move.deadline, move.not_after, observed=False,
         )  # fmt: skip
         return asyncio.ensure_future(self._transport.transfer_runs(spec))
 
@@ -375,9 +392,10 @@ class _Pipeline:
                 remaining = self._move.deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded("no time left")
-                await asyncio.to_thread(cuda_ipc.wait_copy, pending, remaining)
+                await asyncio.to_thread(cuda_ipc.wait_copy, pending, remaining, abandon=False)
         except DeadlineExceeded as exc:
             self._late.add(self._slot(chunk))
+            self._late_pending.append(pending)
             raise _CopyFailed(
                 f"{self._move.op} did not complete within its deadline (host staging: the GPU copy of chunk "
                 f"{chunk} of {self._chunks.count} did not complete: {exc})"
@@ -386,6 +404,24 @@ class _Pipeline:
             raise _CopyFailed(f"host staging: the GPU copy of chunk {chunk} failed: {exc}") from exc
         finally:
             self._copies.pop(chunk, None)
+
+    async def _settle_late(self) -> None:
+        """Copies that missed the deadline: a pull's may still write the engine's blocks, so the
+        failure waits for them (``LateCopies.hold``; their slots are then free again). A push's
+        only read the engine's blocks: no longer followed (their slots wait for a marker)."""
+        late, self._late_pending = tuple(self._late_pending), []
+        if self._move.op != "READ":
+            for copy in late:
+                cuda_ipc.abandon_copy(copy)
+            return
+        held_s = await self._late_copies.hold(late)
+        self._late.clear()  # the copies are over: their slots may be lent again
+        if self._failure is not None:
+            self._failure = replace(
+                self._failure,
+                error=f"{self._failure.error}; the late GPU copy completed {held_s:.3f} s after the deadline, "
+                "and the engine's blocks were held until then",
+            )
 
     def _fail(self, result: TransferResult) -> None:
         if self._failure is None:

@@ -54,6 +54,7 @@ from sidecar.dataplane.contract import (
     TransferResult,
     TransferSpec,
     Transport,
+    XferDoneCallback,
 )
 from sidecar.dataplane.host_staging import PATH as HOST_STAGING
 from sidecar.dataplane.host_staging import HostStaging, StagedMove, describe_staged
@@ -290,6 +291,7 @@ class DataPlane:
         staging_below_bytes: int = STAGING_BELOW_BYTES,
         deliver_local: NotificationsCallback | None = None,
         host_staging: HostStaging | None = None,
+        on_xfer_done: XferDoneCallback | None = None,
     ) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
@@ -298,10 +300,17 @@ class DataPlane:
         self._deliver_local = deliver_local
         # A local GPU worker's transfers through pinned host memory (None: never; host_staging.py).
         self.host_staging = host_staging
+        # The transfer metrics for the paths the transport does not see whole (device copies,
+        # staged transfers); the transport reports its own NIXL transfers.
+        self._on_xfer_done = on_xfer_done
         # False: NIXL (or host staging) even where a device copy could run; host staging's
         # "always" mode turns it off (the cross-node path, forced on one node).
         self.device_copy = not (host_staging is not None and host_staging.forced)
         self.peer_memory = device_copy.PeerMappings()
+        # Device copies past their deadline whose transfer's outcome waits for them (metrics).
+        self.late_copies = device_copy.LateCopies()
+        if host_staging is not None:
+            host_staging.late_copies = self.late_copies
 
     @staticmethod
     def converts(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> bool:
@@ -436,7 +445,7 @@ class DataPlane:
         if peer:
             self.peer_memory.hold(route)
         try:
-            copied = await device_copy.run_copies(merged, deadline, job.not_after)
+            copied = await device_copy.run_copies(merged, deadline, job.not_after, self.late_copies)
         finally:
             if peer:
                 await self.peer_memory.release(route)
@@ -447,6 +456,7 @@ class DataPlane:
         if not copied.ok:
             job.on_step("nixl_completion", f"{job.op} on {names} failed: {copied.error} path=device_copy")
             return TransferOutcome(False, copied.error, results=[result])
+        self._observe(job.op, result, device_copy.PATH)
         job.on_step(
             "nixl_completion",
             f"{job.op} on {names} done: {copied.bytes} bytes, {copies} copies in {copied.runs} runs, "
@@ -715,7 +725,12 @@ class DataPlane:
             )
         )  # fmt: skip
         job.on_step("nixl_completion", describe_staged(job.op, mine, result), _measured(result))
+        self._observe(job.op, result, HOST_STAGING)
         return result
+
+    def _observe(self, op: str, result: TransferResult, path: str) -> None:
+        if self._on_xfer_done is not None and result.ok:
+            self._on_xfer_done(op, result, path)
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:

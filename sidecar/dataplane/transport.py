@@ -204,6 +204,7 @@ class _Split:
     outstanding: int = 0
     total: TransferResult = field(default_factory=lambda: TransferResult(True))
     failure: TransferResult | None = None
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
     def ready(self) -> bool:
         """Whether a chunk may be posted now: the last one only once every other is DONE."""
@@ -222,6 +223,7 @@ class _InFlight:
     split: _Split | None = None  # the transfer this post is a chunk of
     queued: float = 0.0  # when the loop queued the command (0: not measured)
     posted: float = 0.0  # when the post returned
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
 
 class NixlTransport:
@@ -498,7 +500,7 @@ class NixlTransport:
         if xfer.split is not None:
             self._chunk_done(xfer.split, result)
             return
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and xfer.observed:
             self._on_xfer_done(xfer.op, result)
         self._complete(xfer.future, result)
 
@@ -558,7 +560,7 @@ class NixlTransport:
         if split in self._splits:
             self._splits.remove(split)
         result = split.failure or split.total
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and split.observed:
             self._on_xfer_done(split.op, result)
         self._complete(split.future, result)
 
@@ -783,6 +785,7 @@ class NixlTransport:
 
             split = self._split(state, spec.agent_name, spec.remote.name, spec, future, spec.local[:, 1], make)
             if split is not None:
+                split.observed = spec.observed
                 return self._start_split(split)
             handle = make(slice(None), spec.notification)
         except Exception as exc:
@@ -790,7 +793,7 @@ class NixlTransport:
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
-        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now)
+        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now, observed=spec.observed)
 
     def _launch(
         self,
@@ -803,8 +806,9 @@ class NixlTransport:
         now: float,
         split: _Split | None = None,
         queued: float = 0.0,
+        observed: bool = True,
     ) -> object:
-        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split, queued=queued)
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split, queued=queued, observed=observed)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:

@@ -115,7 +115,7 @@ class FakeTransport:
             result = await self._transfer(spec)
         finally:
             self._in_flight -= 1
-        if result.ok:
+        if result.ok and getattr(spec, "observed", True):
             self._on_xfer_done(spec.op, result)
         return result
 

@@ -50,6 +50,8 @@ PEER_LAYOUTS = {"P": ("HND", 16), "Pc": ("NHD", 32)}
 LOCAL_LAYOUT = ("HND", 16)
 STAGING = HostStagingSettings(pool_bytes=1 << 20, chunk_bytes=64 << 10, slots=3)
 CASES = ("pull", "push", "pull-convert", "push-convert", "pull-hang")
+# The stuck copy of "pull-hang" (deadline 1.5 s) is released this long after the post.
+HANG_RELEASE_S = 3.5
 
 
 def layout(base: int, kv_layout: str, block_size: int, blocks: int = BLOCKS, device_id: int = 0) -> WorkerLayout:
@@ -144,6 +146,13 @@ class Initiator:
             ),
         )  # fmt: skip
         started = time.monotonic()
+        held_during: list[int] = []
+        if case.endswith("hang"):
+            # Past the deadline the stuck copy is held (the engine's blocks with it); then the
+            # device gets going again and the copy lands late, in blocks the engine does not have.
+            loop = asyncio.get_running_loop()
+            loop.call_later(HANG_RELEASE_S - 0.5, lambda: held_during.append(self.plane.late_copies.copies))
+            loop.call_later(HANG_RELEASE_S, self.fake.release)
         outcome = await self.plane.run(job)
         elapsed = time.monotonic() - started
         notified = await self.notified(case, 10.0 if outcome.ok else 1.0)
@@ -166,6 +175,8 @@ class Initiator:
             "notifications": notified,
             "launches": self.fake.batch_launches[launches_before:],
             "held_slots": self.staging.pool.held_slots,
+            "copies_held_before_release": held_during[0] if held_during else None,
+            "copies_held_after": self.plane.late_copies.copies,
             "steps": steps,
         }
 
