@@ -232,6 +232,11 @@ def test_vram_on_one_sidecar_moves_by_one_device_copy_launch_per_request(
             initiator = D if mode == "pull" else P
             (detail,) = side.completions(initiator, "r1-d" if mode == "pull" else "r1")
             assert "path=device_copy" in detail and "1 launches" in detail, detail
+            # Counted in the transfer metrics as NIXL transfers are, under their path.
+            sample = side.node.metrics.registry.get_sample_value
+            labels = {"op": "READ" if mode == "pull" else "WRITE", "path": "device_copy"}
+            assert sample("kvsidecar_transfer_bytes_total", labels) == 2 * len(kvs[0].blocks([3, 4, 5]))
+            assert sample("kvsidecar_nixl_transfer_seconds_count", labels) == 2
 
     asyncio.run(scenario())
 

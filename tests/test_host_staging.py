@@ -189,6 +189,8 @@ def check_staged_results(results: dict) -> None:
         (completion,) = [step for step in result["steps"] if step["kind"] == "nixl_completion"]
         assert "path=host_staging" in completion["detail"], completion
         assert completion["measured"]["copy_transfer"] > 0
+        # The transfer metrics count the staged transfer once, whole (not its chunks' NIXL posts).
+        assert result["observed"] == [[result["op"], "host_staging", result["bytes"]]], (case, result["observed"])
     hang = results["pull-hang"]
     assert not hang["ok"] and "did not complete within its deadline" in hang["error"], hang["error"]
     assert "GPU copy" in hang["error"] and hang["notifications"] == 0

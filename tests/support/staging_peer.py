@@ -35,7 +35,7 @@ import numpy as np
 from engine_shim.memory import SharedBuffer
 from kvsidecar.v1 import peer_pb2
 from sidecar.config import HostStagingSettings, NixlSettings
-from sidecar.dataplane.contract import RemoteAgent, RunsSpec
+from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, XferDoneCallback
 from sidecar.dataplane.host_staging import HostStaging
 from sidecar.dataplane.plan.convert import Side, block_shape, logical_tokens
 from sidecar.dataplane.plan.layout import RegionLayout, WorkerLayout
@@ -100,13 +100,15 @@ async def target(directory: Path) -> None:
 
 
 class Initiator:
-    def __init__(self, directory: Path, fake: FakeCudaDriver, transport: NixlTransport) -> None:
+    def __init__(
+        self, directory: Path, fake: FakeCudaDriver, transport: NixlTransport, observe: XferDoneCallback | None = None
+    ) -> None:
         self.directory = directory
         self.spec = json.loads((directory / "spec.json").read_text())
         self.fake = fake
         self.transport = transport
         self.staging = HostStaging(transport, STAGING)
-        self.plane = DataPlane(transport, "sidecar-d", host_staging=self.staging)
+        self.plane = DataPlane(transport, "sidecar-d", host_staging=self.staging, on_xfer_done=observe)
         kv_layout, block_size = LOCAL_LAYOUT
         self.gpu = fake.allocate(region_size(block_size))
         self.local = layout(self.gpu.pointer, kv_layout, block_size)
@@ -168,6 +170,7 @@ class Initiator:
         )
         return {
             "ok": outcome.ok,
+            "op": op,
             "error": outcome.error,
             "bytes": outcome.bytes,
             "elapsed_s": elapsed,
@@ -203,14 +206,20 @@ class Initiator:
 
 async def initiator(directory: Path, cases: list[str]) -> None:
     await wait_ready(directory)
-    transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
+    observed: list[list[Any]] = []  # (op, path, bytes) as the node's transfer metrics get them
+
+    def observe(op: str, result: TransferResult, path: str = "nixl") -> None:
+        observed.append([op, path, result.bytes])
+
+    transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None, observe)
     transport.start(asyncio.get_running_loop())
     results: dict[str, Any] = {}
     with FakeCudaDriver() as fake:
         await transport.create_agent("D", [], "DRAM")  # no memory of its own: only the pool moves
-        initiator = Initiator(directory, fake, transport)
+        initiator = Initiator(directory, fake, transport, observe)
         for case in cases:
             results[case] = await initiator.run(case)
+            results[case]["observed"], observed[:] = list(observed), []
         await transport.stop()
     (directory / "results.json").write_text(json.dumps(results, indent=1))
 
