@@ -483,6 +483,7 @@ def _strip(response: peer_pb2.HandshakeResponse, node: str | None) -> peer_pb2.H
     for worker in response.engine.workers:
         if node is None:
             del worker.node_local_exports[:]  # a sidecar older than the field
+            worker.ClearField("staging_pool")  # (and than target-side staging)
         for export in worker.node_local_exports:
             export.node_id = node or ""
     return response
@@ -509,10 +510,13 @@ def test_a_peer_without_node_local_exports_or_on_another_node_is_read_over_nixl(
             await finished(p_side, d_side)
             assert d.blocks([8]) == p.blocks([4])
             # No device copy between the GPUs: NIXL READs into D's pinned host-staging pool (DRAM),
-            # then one batched copy pool -> D's GPU (host_staging.py, the cross-node path).
+            # then one batched copy pool -> D's GPU (host_staging.py, the cross-node path). A
+            # current peer on another node stages its side too: one copy GPU -> its pool, and the
+            # READ comes from there (target_staging.py); an older one is read from its GPU memory.
             (read,) = fabric.transfers
             assert read.op == "READ" and isinstance(read, RunsSpec) and read.local_mem == "DRAM"
-            assert fake.batch_launches == [1]
+            assert read.remote_mem == ("VRAM" if peer == "older" else "DRAM")
+            assert fake.batch_launches == ([1] if peer == "older" else [1, 1])
             assert d_side.node.context.dataplane.peer_memory.open_handles == 0
 
     asyncio.run(scenario())

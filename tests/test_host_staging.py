@@ -26,7 +26,7 @@ from sidecar.dataplane.plan.stage_chunks import cut
 from sidecar.dataplane.plane import DataPlane
 from tests.support.fake_cuda import FakeCudaDriver
 from tests.support.fake_transport import FakeFabric
-from tests.support.staging_peer import CASES, HANG_RELEASE_S, STAGING, peer_memory, run_pair
+from tests.support.staging_peer import CASES, HANG_RELEASE_S, STAGING, TARGET_CASES, peer_memory, run_pair
 
 LOOPBACK_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
@@ -170,9 +170,16 @@ def test_staged_pulls_and_pushes_over_nixl_tcp_move_every_byte_and_a_stuck_copy_
     tmp_path: Path,
 ) -> None:
     with peer_memory(tmp_path, seed=11):
-        run_pair(tmp_path, ["initiator", *CASES], LOOPBACK_TCP, timeout=240)
+        # pull-gpu first: the target snapshots P into its fake GPU at start, and the pushes write P
+        run_pair(tmp_path, ["initiator", *TARGET_CASES, *CASES], LOOPBACK_TCP, timeout=240)
     results = json.loads((tmp_path / "results.json").read_text())
     check_staged_results(results)
+    # Target-side staging: the peer's KV in its (fake) GPU memory, its agent registering only its
+    # pinned pool: every byte went GPU -> the peer's pool -> NIXL READ -> our pool -> our GPU.
+    gpu = results["pull-gpu"]
+    assert gpu["ok"] and gpu["equal"] and gpu["notifications"] == 1, gpu
+    assert gpu["launches"] == [1] * -(-gpu["bytes"] // STAGING.chunk_bytes), gpu["launches"]
+    assert gpu["observed"] == [["READ", "host_staging", gpu["bytes"]]], gpu["observed"]
 
 
 def check_staged_results(results: dict) -> None:

@@ -116,8 +116,10 @@ class Node:
             release=self.producer.handle_release,
             get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
+            stage=self.producer.handle_stage,
             local_engine_view=self.handshakes.local_engine_view,
         )
+        self.context.dataplane.stage_remote = self.peers.stage
         self.peers.bind_local(self.routes)
 
     @property

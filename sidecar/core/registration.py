@@ -133,6 +133,9 @@ class Registrations:
         if raced is not None:
             ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
             return self._registered(raced)
+        staging_pool = None
+        if mem_type == "VRAM":
+            metadata, staging_pool = await self._offer_staging(agent_name, metadata)
         worker = Worker(
             engine_id=spec.engine_id,
             tp_rank=spec.tp_rank,
@@ -147,6 +150,7 @@ class Registrations:
             pid=spec.pid,
             fingerprint=spec.fingerprint,
             events=asyncio.Queue(),
+            staging_pool=staging_pool,
         )
         ctx.registry.add(engine, worker)
         worker.attach_timer = asyncio.get_running_loop().call_later(
@@ -326,6 +330,21 @@ class Registrations:
             drop_agent_s=round(time.monotonic() - waited, 3),
         )
         return released
+
+    async def _offer_staging(self, agent_name: str, metadata: bytes) -> tuple[bytes, tuple[int, int, int] | None]:
+        """A VRAM worker's agent gets the sidecar's pinned pool registered, so that peers on other
+        nodes READ its KV from there after a Stage call (``dataplane.target_staging``); returns
+        the agent's metadata with the pool in it. Not offered (logged) where the pool cannot be."""
+        server = self._ctx.dataplane.staging_server
+        if server is None:
+            return metadata, None
+        try:
+            base = await server.pool.ready()
+            metadata = await self._ctx.transport.register_host(agent_name, base, server.pool.nbytes)
+        except Exception as exc:
+            log.warning("target_staging_not_offered", agent=agent_name, error=str(exc))
+            return metadata, None
+        return metadata, (base, server.pool.nbytes, server.pool.chunk_bytes)
 
     def _release_memory(self, worker: Worker) -> None:
         for memory in worker.memories:

@@ -171,10 +171,11 @@ class Transport(Protocol):
     def unstage(self, staging: Staging) -> None:
         """Give a staging buffer back (no transfer on it may still run)."""
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """Register host memory the caller owns (and keeps for the process's life) with
         ``agent_name``'s agent as DRAM, once per agent (later calls return at once); it is
-        deregistered with the agent. The host-staging pool's pinned memory."""
+        deregistered with the agent. The host-staging pool's pinned memory. Returns the agent's
+        metadata as it is now (with the range: what peers need to READ it)."""
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None: ...
 

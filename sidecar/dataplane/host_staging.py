@@ -160,6 +160,9 @@ class StagedMove:
     notification: bytes
     deadline: float
     not_after: float | None = None
+    # A pull whose peer stages its GPU memory into its own pool (target_staging): chunk c is
+    # READ from the slot the peer filled for it, not from the peer's engine memory.
+    stager: Any = None  # target_staging.RemoteStager
 
 
 class HostStaging:
@@ -182,13 +185,13 @@ class HostStaging:
         chooses a device copy: ``DataPlane.device_copy``)."""
         return self.settings.mode == "always"
 
-    def applies(self, local_mem: str, peer_agent: str, peer_mem: str) -> bool:
+    def applies(self, local_mem: str, peer_agent: str, peer_mem: str, peer_stages: bool = False) -> bool:
         """Whether a transfer of a local worker with ``local_mem`` stages through the pool (the
         plane asks only where it did not choose a device copy, unless ``forced``). Logs once per
         peer agent whose KV is GPU memory: target-side staging is not built."""
         if self.settings.mode == "off":
             return False
-        if peer_mem == "VRAM" and peer_agent not in self._noted_peers:
+        if peer_mem == "VRAM" and not peer_stages and peer_agent not in self._noted_peers:
             if len(self._noted_peers) > 4096:  # peers come and go: logged again rather than kept forever
                 self._noted_peers.clear()
             self._noted_peers.add(peer_agent)
@@ -207,7 +210,10 @@ class HostStaging:
     async def move(self, move: StagedMove) -> TransferResult:
         """Run one staged transfer; never raises for transfer or copy failures."""
         try:
-            chunks = cut(move.device_rows, move.remote_rows, self.settings.chunk_bytes)
+            chunk_bytes = self.settings.chunk_bytes
+            if move.stager is not None:  # a chunk must fit one slot of the peer's pool too
+                chunk_bytes = min(chunk_bytes, move.stager.chunk_bytes)
+            chunks = cut(move.device_rows, move.remote_rows, chunk_bytes)
         except ValueError as exc:  # PlanError: rows that do not pair
             return TransferResult(False, f"host staging: {exc}")
         if chunks.count == 0:
@@ -243,13 +249,15 @@ class HostStaging:
         return TransferResult(True)
 
 
-def describe_staged(op: str, agent_name: str, result: TransferResult) -> str:
-    """A staged transfer's completion, for the request's trace (ends with its path token)."""
+def describe_staged(op: str, agent_name: str, result: TransferResult, peer_staged: bool = False) -> str:
+    """A staged transfer's completion, for the request's trace (ends with its path token;
+    ``peer_staged``: the peer staged its side too, target_staging)."""
+    both = " staged_by_peer=yes" if peer_staged else ""
     if not result.ok:
-        return f"{op} on {agent_name} failed: {result.error} path={PATH}"
+        return f"{op} on {agent_name} failed: {result.error}{both} path={PATH}"
     return (
         f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
-        f"transfer {result.duration_s * 1000:.3f} ms path={PATH}"
+        f"transfer {result.duration_s * 1000:.3f} ms{both} path={PATH}"
     )
 
 
@@ -296,6 +304,8 @@ class _Pipeline:
             self._fail(TransferResult(False, str(exc)))
         finally:
             await self._drain()
+            if self._move.stager is not None:
+                await self._move.stager.finish(self._move.deadline)
         if self._late_pending:
             await self._settle_late()
         if self._failure is not None:
@@ -345,18 +355,42 @@ class _Pipeline:
         await self._nixl_done(count - 1)
 
     def _post(self, chunk: int) -> asyncio.Future[TransferResult]:
+        if self._move.stager is not None:
+            return asyncio.ensure_future(self._staged_read(chunk))
+        return asyncio.ensure_future(
+            self._transport.transfer_runs(
+                self._spec(chunk, self._chunks.remote[self._chunks.rows(chunk)], self._move.remote_mem)
+            )
+        )
+
+    async def _staged_read(self, chunk: int) -> TransferResult:
+        """Target-side staging: the peer copies the chunk into a slot of its pool, then it is READ
+        from there; the slot is handed back once the READ has ended (whatever its result)."""
         move, rows = self._move, self._chunks.rows(chunk)
-        remote = self._chunks.remote[rows]
+        remote, offsets = self._chunks.remote[rows], self._chunks.offsets[rows]
+        try:
+            staged = await move.stager.stage(np.column_stack((remote[:, 0], remote[:, 1], offsets)), move.deadline)
+        except Exception as exc:
+            return TransferResult(False, f"host staging: the peer did not stage chunk {chunk}: {exc}")
+        in_slot = remote.copy()
+        in_slot[:, 0] = np.uint64(staged.address) + offsets
+        in_slot[:, 2] = 0
+        try:
+            return await self._transport.transfer_runs(self._spec(chunk, in_slot, "DRAM"))
+        finally:
+            move.stager.done(staged.slot)
+
+    def _spec(self, chunk: int, remote: np.ndarray, remote_mem: str) -> RunsSpec:
+        move, rows = self._move, self._chunks.rows(chunk)
         local = np.empty_like(remote)
         local[:, 0] = np.uint64(self._pool.address(self._slot(chunk))) + self._chunks.offsets[rows]
         local[:, 1] = remote[:, 1]
         local[:, 2] = 0
         last = chunk == self._chunks.count - 1
-        spec = RunsSpec(
-            move.agent_name, move.op, move.remote, local, "DRAM", remote, move.remote_mem,
+        return RunsSpec(
+            move.agent_name, move.op, move.remote, local, "DRAM", remote, remote_mem,
             move.notification if last else b"", move.deadline, move.not_after, observed=False,
         )  # fmt: skip
-        return asyncio.ensure_future(self._transport.transfer_runs(spec))
 
     async def _nixl_done(self, chunk: int) -> bool:
         future = self._nixl.pop(chunk, None)

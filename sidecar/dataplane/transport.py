@@ -320,9 +320,10 @@ class NixlTransport:
         """Give a staging buffer back; only once no transfer on it can still be in flight."""
         self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """Register caller-owned host memory with an agent as DRAM, once (see ``Transport``)."""
-        await self._call(self._register_host, agent_name, address, nbytes)
+        metadata: bytes = await self._call(self._register_host, agent_name, address, nbytes)
+        return metadata
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -856,14 +857,14 @@ class NixlTransport:
         state.staging.append(staging)
         return staging
 
-    def _register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    def _register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         state = self._agents.get(agent_name)
         if state is None:
             raise ValueError(f"local agent {agent_name} is gone")
-        if (address, nbytes) in state.hosted:
-            return
-        state.registrations.append(state.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
-        state.hosted.add((address, nbytes))
+        if (address, nbytes) not in state.hosted:
+            state.registrations.append(state.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
+            state.hosted.add((address, nbytes))
+        return bytes(state.agent.get_agent_metadata())
 
     @staticmethod
     def _return_staging(staging: Staging) -> None:

@@ -269,6 +269,11 @@ class PeerClient:
         response = await self._call(address, request, lambda r: r.get_digests, lambda s: s.GetDigests, wait_for_ready)
         return cast(peer_pb2.GetDigestsResponse, response)
 
+    async def stage(self, address: str, request: peer_pb2.StageRequest) -> peer_pb2.StageResponse:
+        """Target-side staging: the peer copies a chunk into a slot of its pool (Stage)."""
+        response = await self._call(address, request, lambda r: r.stage, lambda s: s.Stage)
+        return cast(peer_pb2.StageResponse, response)
+
     async def trace(self, address: str, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
         response = await self._call(address, request, lambda r: r.trace, lambda s: s.Trace)
         return cast(common_pb2.TraceResponse, response)
