@@ -104,6 +104,12 @@ class SidecarMetrics:
             "failure, and the blocks, wait until they complete (above 0 for long: a hung GPU).",
             registry=r,
         )
+        self.staging_slots_lent = Gauge(
+            "kvsidecar_staging_slots_lent",
+            "Slots of the pinned pool lent to peers reading this sidecar's GPU KV (target-side staging); "
+            "each returns when handed back or at its lease's end.",
+            registry=r,
+        )
         self.device_copy_held_bytes = Gauge(
             "kvsidecar_device_copy_held_bytes",
             "Bytes of the device copies held (kvsidecar_device_copies_held).",

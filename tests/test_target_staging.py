@@ -165,6 +165,7 @@ def test_a_pull_from_a_gpu_producer_on_another_node_reads_every_chunk_from_its_p
                     break
                 await asyncio.sleep(0.02)
             assert server.lent_slots == 0 and server.pool.free_slots == server.pool.count
+            assert p_side.node.metrics.registry.get_sample_value("kvsidecar_staging_slots_lent") == 0
             (completion,) = d_side.completions(D, "r1-d")
             assert "staged_by_peer=yes path=host_staging" in completion, completion
 

@@ -42,6 +42,7 @@ from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
 from sidecar.core.stages import mode_of, stage_durations
+from sidecar.core.staging import StageRoute
 from sidecar.core.trace import Timeline, TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
 from sidecar.dataplane.host_staging import HostStaging
@@ -95,6 +96,8 @@ class Node:
         late = self.context.dataplane.late_copies
         self.metrics.device_copies_held.set_function(lambda: late.copies)
         self.metrics.device_copy_held_bytes.set_function(lambda: late.bytes)
+        lent = self.context.dataplane.staging_server
+        self.metrics.staging_slots_lent.set_function(lambda: lent.lent_slots if lent is not None else 0)
         self.registrations = Registrations(
             self.context, MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
         )
@@ -116,7 +119,7 @@ class Node:
             release=self.producer.handle_release,
             get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
-            stage=self.producer.handle_stage,
+            stage=StageRoute(self.context, self.producer).handle,
             local_engine_view=self.handshakes.local_engine_view,
         )
         self.context.dataplane.stage_remote = self.peers.stage

@@ -50,7 +50,6 @@ from sidecar.dataplane.integrity import DigestSpan, check_span, digests
 from sidecar.dataplane.plan.blocks import check_block_ids, foreign_block_ids
 from sidecar.dataplane.plan.convert import single_group
 from sidecar.dataplane.plan.layout import BlockIds
-from sidecar.dataplane.target_staging import unpack_rows
 from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -287,9 +286,7 @@ class ProducerSide:
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id", required=False)
         validation.identifier(request.transfer_id, "transfer_id", required=False)
-        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
-        if pending is None or not pending.accepts_pull or pending.closing is not None:
-            raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
+        pending = self.held_for_pull(request.engine_id, request.request_id, request.transfer_id)
         engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
         span = DigestSpan.from_proto(request.span)
         layout = engine.ordered_workers()[0].layout
@@ -298,34 +295,6 @@ class ProducerSide:
             raise InvalidArgument("span", problem)
         values = await self.digest(pending, engine, span)
         return peer_pb2.GetDigestsResponse(sidecar_id=ctx.identity.sidecar_id, digests=span.to_proto(values))
-
-    async def handle_stage(self, request: peer_pb2.StageRequest) -> peer_pb2.StageResponse:
-        """Target-side staging (``dataplane.target_staging``): hand back the slots the caller has
-        read, then copy a chunk of a held request's GPU KV into a slot for it to READ. The copy is
-        a task of the engine, so a worker's removal waits for it before unmapping its memory."""
-        ctx = self._ctx
-        server = ctx.dataplane.staging_server
-        if server is None:
-            raise FailedPrecondition("this sidecar does not stage GPU memory (host_staging.mode = off)")
-        server.give_back(list(request.done_slots))
-        if not request.rows:
-            return peer_pb2.StageResponse()
-        validation.identifier(request.engine_id, "engine_id")
-        validation.identifier(request.request_id, "request_id", required=False)
-        validation.identifier(request.transfer_id, "transfer_id", required=False)
-        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
-        if pending is None or not pending.accepts_pull or pending.closing is not None:
-            raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
-        worker = ctx.registry.by_agent(request.agent_name)
-        if worker is None or worker.engine_id != pending.engine_id or worker.staging_pool is None:
-            raise InvalidArgument(
-                "agent_name", f"{request.agent_name!r} is no staged GPU worker of the request's engine"
-            )
-        rows = unpack_rows(request.rows)
-        regions = [(memory.address, memory.length) for memory in worker.memories]
-        staging = server.stage(worker.layout.device_id, regions, rows, request.timeout_seconds)
-        staged = await ctx.tasks.spawn(staging, engines=[worker.engine_id])
-        return peer_pb2.StageResponse(slot=staged.slot, address=staged.address)
 
     async def digest(self, pending: ProducerRequest, engine: Engine, span: DigestSpan) -> list[bytes]:
         """Integrity: the digests of ``span`` of the request's blocks, hashed in a worker thread."""
@@ -581,6 +550,13 @@ class ProducerSide:
             ),
         )
         self._ctx.trace.ended("producer", pending.engine_id, pending.request_id, kind, reason, pending.bytes_moved)
+
+    def held_for_pull(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest:
+        """The request a peer may read now (GetDigests, Stage); NotFound otherwise."""
+        pending = self._find(engine_id, request_id, transfer_id)
+        if pending is None or not pending.accepts_pull or pending.closing is not None:
+            raise NotFound(f"request {request_id!r} of engine {engine_id!r} is not held here")
+        return pending
 
     def _find(self, engine_id: str, request_id: str, transfer_id: str) -> ProducerRequest | None:
         if request_id:

@@ -27,9 +27,12 @@ failure waits until it completes (``device_copy.LateCopies``), so the engine nev
 under it. A push's late copy only reads the engine's blocks into a slot whose WRITE is never
 posted: the failure goes out at once (what it reads cannot reach the peer).
 
-Target-side staging is not built: a peer whose KV is GPU memory is still reached through the
-memory its own sidecar registered (NIXL's emulation over TCP; an RDMA NIC cannot register it); it
-is logged once per peer agent (``host_staging_peer_gpu_memory``).
+Target-side staging (``target_staging``): a pull from a peer whose GPU worker advertises its
+sidecar's pool READs each chunk from the slot that sidecar filled for it (``StagedMove.stager``).
+A peer whose KV is GPU memory and that does not stage (an older sidecar; a push's target, not
+built) is still reached through the memory its own sidecar registered (NIXL's emulation over TCP;
+an RDMA NIC cannot register it); it is logged once per peer agent
+(``host_staging_peer_gpu_memory``).
 
 Threads: the event loop thread plans, launches copies (a launch returns at once) and awaits NIXL;
 waiting for a copy runs in ``asyncio.to_thread`` (``wait_copy`` blocks), bounded by the deadline.
@@ -188,7 +191,7 @@ class HostStaging:
     def applies(self, local_mem: str, peer_agent: str, peer_mem: str, peer_stages: bool = False) -> bool:
         """Whether a transfer of a local worker with ``local_mem`` stages through the pool (the
         plane asks only where it did not choose a device copy, unless ``forced``). Logs once per
-        peer agent whose KV is GPU memory: target-side staging is not built."""
+        peer agent whose KV is GPU memory: and that does not stage it (target_staging)."""
         if self.settings.mode == "off":
             return False
         if peer_mem == "VRAM" and not peer_stages and peer_agent not in self._noted_peers:
@@ -201,8 +204,8 @@ class HostStaging:
                 reason=(
                     "the peer's KV is GPU memory its sidecar imported over CUDA IPC; it is reached through "
                     "that sidecar's NIXL registration (emulated over TCP; an RDMA NIC cannot register it): "
-                    "target-side staging is not built, so across nodes keep producers' KV in host memory "
-                    "or accept the emulated rate"
+                    "that sidecar does not stage it (an older version, host_staging.mode=off, or a push, whose "
+                    "target-side staging is not built)"
                 ),
             )
         return local_mem == "VRAM"

@@ -156,10 +156,12 @@ class StagingServer:
         try:
             if not cuda_ipc.copy_done(pending):
                 await asyncio.to_thread(cuda_ipc.wait_copy, pending, deadline - time.monotonic())
-        except DeadlineExceeded:
+        except (DeadlineExceeded, asyncio.CancelledError) as exc:
             # It may still read the engine's blocks into the slot: the slot waits for a marker
             # behind it; the caller never reads it (it is told the copy missed its deadline).
             self._hold(device_id, slot)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise DeadlineExceeded("the staging copy did not complete before the deadline") from None
         except Exception as exc:
             self.pool.give_back([slot])
