@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from sidecar.dataplane.target_staging import StagingServer, _check_rows, pack_ro
 from sidecar.errors import DeadlineExceeded, InvalidArgument
 from tests.support.fake_cuda import FakeCudaDriver
 from tests.support.fake_transport import FakeFabric
-from tests.test_device_copy import D, P, Sidecar, gpu_kv, pull, sidecar
+from tests.test_device_copy import D, P, Sidecar, gpu_kv, pull, shm_kv, sidecar
 
 CHUNK = 64 << 10
 STAGING = HostStagingSettings(pool_bytes=1 << 20, chunk_bytes=CHUNK, slots=2)
@@ -127,17 +128,23 @@ def _settings(**more: Any) -> dict[str, Any]:
     return {"host_staging": STAGING, "lease_seconds": 30, **more}
 
 
+@pytest.mark.parametrize("d_memory", ["gpu", "host"])
 def test_a_pull_from_a_gpu_producer_on_another_node_reads_every_chunk_from_its_pool(
-    tmp_path: Path, fake: FakeCudaDriver
+    tmp_path: Path, fake: FakeCudaDriver, d_memory: str
 ) -> None:
+    """D on a GPU: each slot is READ into D's own pool, then copied into D's GPU; D in host
+    memory: each slot is READ straight into D's blocks."""
+
     async def scenario() -> None:
         fabric = FakeFabric()
         async with (
+            AsyncExitStack() as stack,
             sidecar(tmp_path, "p", fabric, **_settings()) as p_side,
             sidecar(tmp_path, "d", fabric, **_settings()) as d_side,
         ):
             _another_node(p_side)
-            p, d = gpu_kv(fake, P, BIG), gpu_kv(fake, D, BIG)
+            p = gpu_kv(fake, P, BIG)
+            d = gpu_kv(fake, D, BIG) if d_memory == "gpu" else shm_kv(stack, D, BIG)
             await p_side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
             await d_side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
             worker = p_side.node.registry.worker(P, 0, 0)
@@ -158,6 +165,8 @@ def test_a_pull_from_a_gpu_producer_on_another_node_reads_every_chunk_from_its_p
                     starts, ends = read.remote_descs[:, 0], read.remote_descs[:, 0] + read.remote_descs[:, 1]
                     assert (starts >= pool_base).all() and (ends <= pool_base + pool_bytes).all()
                 assert sum(bool(t.notification) for t in reads) == 1 and reads[-1].notification
+                # Into D's pool (then one copy per chunk into its GPU), or straight into its blocks.
+                assert all(t.local_mem == "DRAM" for t in reads)
             server = p_side.node.context.dataplane.staging_server
             assert server is not None
             for _ in range(100):  # the last slot comes back with the consumer's closing call

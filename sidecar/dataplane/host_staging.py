@@ -166,6 +166,9 @@ class StagedMove:
     # A pull whose peer stages its GPU memory into its own pool (target_staging): chunk c is
     # READ from the slot the peer filled for it, not from the peer's engine memory.
     stager: Any = None  # target_staging.RemoteStager
+    # "DRAM": the local engine's blocks are host memory (``device_rows`` then name them): a pull
+    # from a staging peer READs each slot straight into them, through no pool of ours.
+    local_mem: str = "VRAM"
 
 
 class HostStaging:
@@ -194,6 +197,8 @@ class HostStaging:
         peer agent whose KV is GPU memory: and that does not stage it (target_staging)."""
         if self.settings.mode == "off":
             return False
+        if local_mem == "DRAM" and peer_stages:
+            return True  # READ the peer's slots straight into the engine's host memory
         if peer_mem == "VRAM" and not peer_stages and peer_agent not in self._noted_peers:
             if len(self._noted_peers) > 4096:  # peers come and go: logged again rather than kept forever
                 self._noted_peers.clear()
@@ -221,6 +226,8 @@ class HostStaging:
             return TransferResult(False, f"host staging: {exc}")
         if chunks.count == 0:
             return await self._notify(move)
+        if move.local_mem == "DRAM":
+            return await _direct_pull(self._transport, move, chunks, self.settings.slots)
         try:
             base = await self.pool.ready()
             if move.agent_name not in self._registered:
@@ -262,6 +269,60 @@ def describe_staged(op: str, agent_name: str, result: TransferResult, peer_stage
         f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
         f"transfer {result.duration_s * 1000:.3f} ms{both} path={PATH}"
     )
+
+
+async def _direct_pull(transport: Transport, move: StagedMove, chunks: StageChunks, depth: int) -> TransferResult:
+    """A pull into host memory from a peer that stages (``move.stager``): chunk c is staged by the
+    peer, then READ from its slot straight into the engine's blocks, up to ``depth`` chunks in
+    flight; the last READ (it notifies) only once every other is done. Never raises."""
+    started = time.monotonic()
+    stager = move.stager
+
+    async def read(chunk: int) -> TransferResult:
+        rows = chunks.rows(chunk)
+        remote, offsets = chunks.remote[rows], chunks.offsets[rows]
+        try:
+            staged = await stager.stage(np.column_stack((remote[:, 0], remote[:, 1], offsets)), move.deadline)
+        except Exception as exc:
+            return TransferResult(False, f"host staging: the peer did not stage chunk {chunk}: {exc}")
+        in_slot = remote.copy()
+        in_slot[:, 0] = np.uint64(staged.address) + offsets
+        in_slot[:, 2] = 0
+        last = chunk == chunks.count - 1
+        spec = RunsSpec(
+            move.agent_name, "READ", move.remote, chunks.device[rows], "DRAM", in_slot, "DRAM",
+            move.notification if last else b"", move.deadline, move.not_after, observed=False,
+        )  # fmt: skip
+        try:
+            return await transport.transfer_runs(spec)
+        finally:
+            stager.done(staged.slot)
+
+    results: list[TransferResult] = []
+    failure: TransferResult | None = None
+    try:
+        window: list[asyncio.Future[TransferResult]] = []
+        for chunk in range(chunks.count - 1):
+            window.append(asyncio.ensure_future(read(chunk)))
+            if len(window) >= depth:
+                results.append(await window.pop(0))
+                if not results[-1].ok:
+                    break  # post no more; those in flight end by the deadline
+        results += list(await asyncio.gather(*window))
+        failure = next((result for result in results if not result.ok), None)
+        if failure is None:
+            last = await read(chunks.count - 1)
+            results.append(last)
+            failure = None if last.ok else last
+    finally:
+        await stager.finish(move.deadline)
+    if failure is not None:
+        return failure
+    elapsed = time.monotonic() - started
+    return TransferResult(
+        True, bytes=chunks.total, descriptors=sum(r.descriptors for r in results), duration_s=elapsed,
+        handoff={"copy_transfer": elapsed},
+    )  # fmt: skip
 
 
 class _CopyFailed(Exception):

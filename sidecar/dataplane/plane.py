@@ -763,7 +763,7 @@ class DataPlane:
         result = await self.host_staging.move(
             StagedMove(
                 job.op, mine, worker.layout.device_id, other.agent, other.mem_type, rows[0], rows[1], payload,
-                deadline, job.not_after, stager,
+                deadline, job.not_after, stager, worker.mem_type,
             )
         )  # fmt: skip
         job.on_step("nixl_completion", describe_staged(job.op, mine, result, stager is not None), _measured(result))
