@@ -11,6 +11,7 @@ from kvsidecar.v1 import peer_pb2
 from sidecar.core import validation
 from sidecar.core.context import NodeContext
 from sidecar.core.producer import ProducerSide
+from sidecar.core.producer_request import held_for_pull
 from sidecar.dataplane.target_staging import unpack_rows
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
@@ -34,7 +35,9 @@ class StageRoute:
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id", required=False)
         validation.identifier(request.transfer_id, "transfer_id", required=False)
-        pending = self._producer.held_for_pull(request.engine_id, request.request_id, request.transfer_id)
+        pending = held_for_pull(
+            self._producer.find(request.engine_id, request.request_id, request.transfer_id), request
+        )
         worker = ctx.registry.by_agent(request.agent_name)
         if worker is None or worker.engine_id != pending.engine_id or worker.staging_pool is None:
             raise InvalidArgument(
