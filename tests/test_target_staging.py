@@ -25,13 +25,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine_shim.client import SidecarClient
 from engine_shim.memory import KvLayout
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.config import HostStagingSettings
 from sidecar.dataplane.contract import RunsSpec
 from sidecar.dataplane.host_staging import PinnedPool
-from sidecar.dataplane.target_staging import StagingServer, _check_rows, pack_rows, unpack_rows
-from sidecar.errors import DeadlineExceeded, InvalidArgument
+from sidecar.dataplane.target_staging import StagingServer, _check_rows, merged_ranges, pack_rows, unpack_rows
+from sidecar.errors import DeadlineExceeded, InvalidArgument, NotFound
 from tests.support.fake_cuda import FakeCudaDriver
 from tests.support.fake_transport import FakeFabric
 from tests.test_device_copy import D, P, Sidecar, gpu_kv, pull, shm_kv, sidecar
@@ -56,14 +57,19 @@ def test_rows_travel_as_packed_triples_and_must_lie_in_the_workers_memory_and_th
     assert np.array_equal(unpack_rows(pack_rows(rows)), rows)
     with pytest.raises(InvalidArgument):
         unpack_rows(b"\0" * 23)
-    regions = [(1 << 40, 1 << 20)]
-    _check_rows(rows, regions, 8192)
-    with pytest.raises(InvalidArgument, match="registered memory"):
-        _check_rows(rows + np.array([[1 << 20, 0, 0]], dtype=np.uint64), regions, 8192)
+    # The request's blocks: three of 4 KiB, the first two adjacent (a row may span them), the
+    # third apart; listed out of order.
+    blocks = merged_ranges([((1 << 40) + 8192, 4096), (1 << 40, 4096), ((1 << 40) + 4096, 4096)])
+    assert blocks.tolist() == [[1 << 40, (1 << 40) + 12288]]
+    allowed = merged_ranges([(1 << 40, 8192), ((1 << 40) + 65536, 4096)])
+    _check_rows(np.array([[(1 << 40) + 100, 8000, 0], [(1 << 40) + 65536, 4096, 8000]], np.uint64), allowed, 1 << 14)
+    for outside in ([(1 << 40) + 4096, 8192, 0], [(1 << 40) + 60000, 100, 0], [(1 << 40) - 10, 20, 0]):
+        with pytest.raises(InvalidArgument, match="request's blocks"):
+            _check_rows(np.array([outside], np.uint64), allowed, 1 << 14)
     with pytest.raises(InvalidArgument, match="slot"):
-        _check_rows(rows, regions, 4096)
+        _check_rows(np.array([[1 << 40, 4096, 4096]], np.uint64), allowed, 4096)
     with pytest.raises(InvalidArgument):
-        _check_rows(np.zeros((0, 3), dtype=np.uint64), regions, 8192)
+        _check_rows(np.zeros((0, 3), dtype=np.uint64), allowed, 8192)
 
 
 def test_a_staged_slot_holds_the_rows_and_comes_back_when_handed_back_or_at_its_lease(fake: FakeCudaDriver) -> None:
@@ -226,5 +232,38 @@ def test_an_older_producer_without_a_pool_is_read_from_its_gpu_memory_as_before(
             assert d.blocks([8]) == p.blocks([4])
             (read,) = fabric.transfers
             assert isinstance(read, RunsSpec) and read.remote_mem == "VRAM"
+
+    asyncio.run(scenario())
+
+
+def test_stage_refuses_rows_outside_the_requests_blocks_and_requests_not_held(
+    tmp_path: Path, fake: FakeCudaDriver
+) -> None:
+    """A Stage call reads only what a READ of the held request could: its own blocks."""
+
+    async def scenario() -> None:
+        async with sidecar(tmp_path, "p", FakeFabric(), **_settings()) as p_side:
+            p = gpu_kv(fake, P, BIG)
+            await p_side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
+            await p_side.node.producer.submit(SidecarClient.submit_request(P, "held", [[2, 3]]))
+            worker = p_side.node.registry.worker(P, 0, 0)
+            assert worker is not None
+            region = worker.layout.regions[0]
+
+            def call(request_id: str, block: int, length: int = CHUNK) -> peer_pb2.StageRequest:
+                rows = np.array([[region.base + block * region.block_stride, length, 0]], np.uint64)
+                return peer_pb2.StageRequest(
+                    engine_id=P, request_id=request_id, agent_name=worker.agent_name, rows=pack_rows(rows),
+                    timeout_seconds=5,
+                )  # fmt: skip
+
+            staged = await p_side.node.routes.stage(call("held", 2, 2 * CHUNK - CHUNK))  # its block
+            assert staged.address and p_side.node.context.dataplane.staging_server is not None
+            await p_side.node.routes.stage(peer_pb2.StageRequest(done_slots=[staged.slot]))
+            with pytest.raises(InvalidArgument, match="request's blocks"):
+                await p_side.node.routes.stage(call("held", 5))  # the worker's, not the request's
+            with pytest.raises(NotFound):
+                await p_side.node.routes.stage(call("never-submitted", 2))
+            assert p_side.node.context.dataplane.staging_server.lent_slots == 0
 
     asyncio.run(scenario())

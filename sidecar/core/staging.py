@@ -12,6 +12,7 @@ from sidecar.core import validation
 from sidecar.core.context import NodeContext
 from sidecar.core.producer import ProducerSide
 from sidecar.core.producer_request import held_for_pull
+from sidecar.dataplane.plan.descriptors import block_byte_ranges
 from sidecar.dataplane.target_staging import unpack_rows
 from sidecar.errors import FailedPrecondition, InvalidArgument
 
@@ -44,8 +45,9 @@ class StageRoute:
                 "agent_name", f"{request.agent_name!r} is no staged GPU worker of the request's engine"
             )
         rows = unpack_rows(request.rows)
-        regions = [(memory.address, memory.length) for memory in worker.memories]
-        staging = server.stage(worker.layout.device_id, regions, rows, request.timeout_seconds)
+        # Only the request's own blocks of this worker (a row may span adjacent ones).
+        allowed = block_byte_ranges(worker.layout, pending.block_ids)
+        staging = server.stage(worker.layout.device_id, allowed, rows, request.timeout_seconds)
         # Shielded: a caller that gives up (its call's deadline) must not cancel the copy half way;
         # the slot it fills is then lent until the lease ends, as for a consumer that vanished.
         staged = await asyncio.shield(ctx.tasks.spawn(staging, engines=[worker.engine_id]))

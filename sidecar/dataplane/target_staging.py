@@ -131,12 +131,13 @@ class StagingServer:
             self.pool.give_back(back)
 
     async def stage(
-        self, device_id: int, regions: list[tuple[int, int]], rows: np.ndarray, timeout_s: float
+        self, device_id: int, allowed: list[tuple[int, int]], rows: np.ndarray, timeout_s: float
     ) -> StagedSlot:
         """Copy ``rows`` (address, length, offset) of GPU memory on ``device_id`` into a free slot
-        and lend it for ``timeout_s``. ``regions``: (address, length) the rows must lie in (the
-        worker's registered memory). Raises InvalidArgument, DeadlineExceeded, FailedPrecondition."""
-        _check_rows(rows, regions, self.pool.chunk_bytes)
+        and lend it for ``timeout_s``. ``allowed``: (address, length) ranges the rows must lie in
+        (the request's blocks in the worker). Raises InvalidArgument, DeadlineExceeded,
+        FailedPrecondition."""
+        _check_rows(rows, merged_ranges(allowed), self.pool.chunk_bytes)
         deadline = time.monotonic() + min(max(timeout_s, 0.0), MAX_LEASE_S)
         base = await self.pool.ready()
         try:
@@ -189,17 +190,32 @@ class StagingServer:
         self._lent.clear()
 
 
-def _check_rows(rows: np.ndarray, regions: list[tuple[int, int]], chunk_bytes: int) -> None:
-    """Every row inside one region and inside the slot (pure; InvalidArgument)."""
+def merged_ranges(ranges: list[tuple[int, int]]) -> np.ndarray:
+    """(address, length) ranges as sorted, merged Nx2 uint64 (start, end) rows: adjacent ones
+    joined, as the staged rows are (they coalesce contiguous blocks) (pure, vectorized)."""
+    if not ranges:
+        return np.zeros((0, 2), dtype=np.uint64)
+    table = np.asarray(ranges, dtype=np.uint64).reshape(-1, 2)
+    table = table[np.argsort(table[:, 0], kind="stable")]
+    starts, ends = table[:, 0], table[:, 0] + table[:, 1]
+    running = np.maximum.accumulate(ends)
+    new = np.concatenate(([True], starts[1:] > running[:-1]))
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(table)) - 1
+    return np.column_stack((starts[first], running[last]))
+
+
+def _check_rows(rows: np.ndarray, allowed: np.ndarray, chunk_bytes: int) -> None:
+    """Every row inside one ``allowed`` range (``merged_ranges``: the request's blocks) and inside
+    the slot (pure, vectorized; InvalidArgument)."""
     if not len(rows):
         raise InvalidArgument("rows", "no rows to stage")
     starts, lengths, offsets = rows[:, 0], rows[:, 1], rows[:, 2]
+    ends = starts + lengths
     if (offsets + lengths > np.uint64(chunk_bytes)).any() or (offsets + lengths < offsets).any():
         raise InvalidArgument("rows", f"a row lies outside the {chunk_bytes}-byte slot")
-    inside = np.zeros(len(rows), dtype=bool)
-    for base, size in regions:
-        inside |= (
-            (starts >= np.uint64(base)) & (starts + lengths <= np.uint64(base + size)) & (starts + lengths >= starts)
-        )
+    at = np.searchsorted(allowed[:, 0], starts, side="right") - 1
+    inside = (at >= 0) & (ends >= starts)
+    inside[inside] &= ends[inside] <= allowed[at[inside], 1]
     if not inside.all():
-        raise InvalidArgument("rows", "a row lies outside the worker's registered memory")
+        raise InvalidArgument("rows", "a row lies outside the request's blocks of the worker")
