@@ -194,7 +194,7 @@ class HostStaging:
     def applies(self, local_mem: str, peer_agent: str, peer_mem: str, peer_stages: bool = False) -> bool:
         """Whether a transfer of a local worker with ``local_mem`` stages through the pool (the
         plane asks only where it did not choose a device copy, unless ``forced``). Logs once per
-        peer agent whose KV is GPU memory: and that does not stage it (target_staging)."""
+        peer agent whose KV is GPU memory and whose sidecar does not stage it (target_staging)."""
         if self.settings.mode == "off":
             return False
         if local_mem == "DRAM" and peer_stages:
