@@ -81,6 +81,11 @@ class PeerServiceStub:
                 request_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
                 _registered_method=True)
+        self.Stage = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Stage',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.StageResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -168,6 +173,18 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stage(self, request, context):
+        """Target-side host staging (a peer whose worker advertises `staging_pool`): copy some of the
+        worker's GPU memory (a chunk of a leased request) into a slot of this sidecar's pinned pool
+        for the caller to READ over NIXL; the slot is lent until `timeout_seconds` or until a later
+        call names it in `done_slots`. NOT_FOUND: the request is not held here; DEADLINE_EXCEEDED:
+        no slot or the copy did not complete in time; INVALID_ARGUMENT: rows outside the worker's
+        memory or the slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +232,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.SerializeToString,
+            ),
+            'Stage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.StageRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.StageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +482,33 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Stream',
             kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
             kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Stage',
+            kvsidecar_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.StageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,3 +84,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.TraceResponse:
         return await self._routes.trace(request)
+
+    async def Stage(self, request: peer_pb2.StageRequest, context: grpc.aio.ServicerContext) -> peer_pb2.StageResponse:
+        return await self._routes.stage(request)

@@ -204,6 +204,7 @@ class _Split:
     outstanding: int = 0
     total: TransferResult = field(default_factory=lambda: TransferResult(True))
     failure: TransferResult | None = None
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
     def ready(self) -> bool:
         """Whether a chunk may be posted now: the last one only once every other is DONE."""
@@ -222,6 +223,7 @@ class _InFlight:
     split: _Split | None = None  # the transfer this post is a chunk of
     queued: float = 0.0  # when the loop queued the command (0: not measured)
     posted: float = 0.0  # when the post returned
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
 
 class NixlTransport:
@@ -318,9 +320,10 @@ class NixlTransport:
         """Give a staging buffer back; only once no transfer on it can still be in flight."""
         self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """Register caller-owned host memory with an agent as DRAM, once (see ``Transport``)."""
-        await self._call(self._register_host, agent_name, address, nbytes)
+        metadata: bytes = await self._call(self._register_host, agent_name, address, nbytes)
+        return metadata
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -498,7 +501,7 @@ class NixlTransport:
         if xfer.split is not None:
             self._chunk_done(xfer.split, result)
             return
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and xfer.observed:
             self._on_xfer_done(xfer.op, result)
         self._complete(xfer.future, result)
 
@@ -558,7 +561,7 @@ class NixlTransport:
         if split in self._splits:
             self._splits.remove(split)
         result = split.failure or split.total
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and split.observed:
             self._on_xfer_done(split.op, result)
         self._complete(split.future, result)
 
@@ -783,6 +786,7 @@ class NixlTransport:
 
             split = self._split(state, spec.agent_name, spec.remote.name, spec, future, spec.local[:, 1], make)
             if split is not None:
+                split.observed = spec.observed
                 return self._start_split(split)
             handle = make(slice(None), spec.notification)
         except Exception as exc:
@@ -790,7 +794,7 @@ class NixlTransport:
                 future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=_is_disconnect(exc))
             )
             return _DEFERRED
-        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now)
+        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now, observed=spec.observed)
 
     def _launch(
         self,
@@ -803,8 +807,9 @@ class NixlTransport:
         now: float,
         split: _Split | None = None,
         queued: float = 0.0,
+        observed: bool = True,
     ) -> object:
-        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split, queued=queued)
+        xfer = _InFlight(agent_name, handle, op, deadline, future, now, split=split, queued=queued, observed=observed)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
@@ -852,14 +857,14 @@ class NixlTransport:
         state.staging.append(staging)
         return staging
 
-    def _register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    def _register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         state = self._agents.get(agent_name)
         if state is None:
             raise ValueError(f"local agent {agent_name} is gone")
-        if (address, nbytes) in state.hosted:
-            return
-        state.registrations.append(state.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
-        state.hosted.add((address, nbytes))
+        if (address, nbytes) not in state.hosted:
+            state.registrations.append(state.agent.register_memory([(address, nbytes, 0, "")], "DRAM"))
+            state.hosted.add((address, nbytes))
+        return bytes(state.agent.get_agent_metadata())
 
     @staticmethod
     def _return_staging(staging: Staging) -> None:

@@ -242,6 +242,8 @@ class PeerClient:
     )
     release = peer_rpc("Release", peer_pb2.PeerReleaseRequest, peer_pb2.PeerReleaseResponse, identity=True, stream=True)
     get_digests = peer_rpc("GetDigests", peer_pb2.GetDigestsRequest, peer_pb2.GetDigestsResponse)
+    # Target-side staging: the peer copies a chunk of a held request into a slot of its pool.
+    stage = peer_rpc("Stage", peer_pb2.StageRequest, peer_pb2.StageResponse)
     trace = peer_rpc("Trace", common_pb2.TraceRequest, common_pb2.TraceResponse)
 
     def clock_offset_ms(self, address: str) -> float:

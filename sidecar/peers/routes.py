@@ -32,5 +32,6 @@ class PeerRoutes:
     release: Callable[[peer_pb2.PeerReleaseRequest, str], Awaitable[peer_pb2.PeerReleaseResponse]]
     get_digests: Callable[[peer_pb2.GetDigestsRequest], Awaitable[peer_pb2.GetDigestsResponse]]
     trace: Callable[[common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]
+    stage: Callable[[peer_pb2.StageRequest], Awaitable[peer_pb2.StageResponse]]
     # A local engine as the other side of a same-node transfer (read from the registry each time).
     local_engine_view: Callable[[str, str], EngineView]
