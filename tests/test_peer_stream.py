@@ -85,6 +85,7 @@ class Handlers:
             transfer_failed=unused,
             release=self.release,
             get_digests=unused,
+            stage=unused,
             trace=unused,
             local_engine_view=lambda *_: unused(),  # type: ignore[arg-type,return-value]
         )
