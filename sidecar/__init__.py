@@ -36,7 +36,18 @@ BASELINE_FEATURES: tuple[str, ...] = (
     "multiturn_holds",
     "trace",
 )
-FEATURES: tuple[str, ...] = (*BASELINE_FEATURES, "features")
+# Announced since: the feature list itself, the engine Session stream, the peer Stream, node-local
+# GPU device copies (WorkerDescriptor.node_local_exports), target-side host staging (Stage), the
+# self-test host (SelfTestService).
+FEATURES: tuple[str, ...] = (
+    *BASELINE_FEATURES,
+    "features",
+    "engine_session",
+    "peer_stream",
+    "device_copy",
+    "target_staging",
+    "selftest",
+)
 
 
 def peer_features(announced: list[str] | tuple[str, ...]) -> frozenset[str]:
