@@ -190,9 +190,10 @@ def test_gpu_kv_outlives_a_killed_sidecar_and_registers_again_with_the_restarted
 
 
 # (mode, P's memory, D's memory): the initiator's engine on the GPU (D pulls, P pushes), the target's
-# in host memory (the staged path end to end) or on the GPU: a pull from it is staged on both ends
-# (the producer's sidecar copies each chunk into its own pinned pool, target_staging.py); a push
-# into it is not staged at the target yet (NIXL on the imported GPU memory, emulated over TCP).
+# in host memory (the staged path end to end) or on the GPU: then staged on both ends, a pull from
+# it (the producer's sidecar copies each chunk into its own pinned pool, target_staging.py) and a
+# push into it (the producer WRITEs into slots of the consumer sidecar's pool, which copies each
+# into its engine: staged_push.py, core/push_staging.py), never NIXL on imported GPU memory.
 STAGED = [("pull", "shm", "cuda"), ("push", "cuda", "shm"), ("pull", "cuda", "cuda"), ("push", "cuda", "cuda")]
 
 
@@ -212,5 +213,6 @@ def test_gpu_kv_across_nodes_goes_through_the_sidecars_pinned_host_staging(
         _move(producer, consumer, mode, f"staged-{mode}-{serial}", seed=40 + serial)
     initiator, request_id = (d_side, f"staged-{mode}-1-d") if mode == "pull" else (p_side, f"staged-{mode}-1")
     assert _paths(initiator.socket, request_id) == {"host_staging"}
-    if mode == "pull" and p_memory == "cuda":  # both ends staged: no byte read from imported GPU memory
-        assert all("staged_by_peer=yes" in detail for detail in _completions(d_side.socket, request_id))
+    if p_memory == d_memory == "cuda":  # both ends staged: no byte moved by NIXL from/to imported GPU memory
+        details = _completions(initiator.socket, request_id)
+        assert details and all("staged_by_peer=yes" in detail for detail in details), details

@@ -180,6 +180,15 @@ def test_staged_pulls_and_pushes_over_nixl_tcp_move_every_byte_and_a_stuck_copy_
     assert gpu["ok"] and gpu["equal"] and gpu["notifications"] == 1, gpu
     assert gpu["launches"] == [1] * -(-gpu["bytes"] // STAGING.chunk_bytes), gpu["launches"]
     assert gpu["observed"] == [["READ", "host_staging", gpu["bytes"]]], gpu["observed"]
+    # Push staging: into the peer's (fake) GPU through a slot of its pool lent per chunk, the
+    # peer's agent registering only that pool (no WRITE could reach its GPU memory), the peer
+    # copying each slot into its GPU; the one notification only after the last copy.
+    push = results["push-gpu"]
+    assert push["ok"] and push["equal"] and push["notifications"] == 1, push
+    assert push["launches"] == [1] * -(-push["bytes"] // STAGING.chunk_bytes), push["launches"]
+    assert push["observed"] == [["WRITE", "host_staging", push["bytes"]]], push["observed"]
+    (completion,) = [step for step in push["steps"] if step["kind"] == "nixl_completion"]
+    assert "staged_by_peer=yes path=host_staging" in completion["detail"], completion
 
 
 def check_staged_results(results: dict) -> None:

@@ -81,17 +81,19 @@ class WorkerDescriptor(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., node_local_exports: _Optional[_Iterable[_Union[NodeLocalExport, _Mapping]]] = ..., staging_pool: _Optional[_Union[StagingPool, _Mapping]] = ...) -> None: ...
 
 class StagingPool(_message.Message):
-    __slots__ = ("address", "length", "chunk_bytes")
+    __slots__ = ("address", "length", "chunk_bytes", "accepts_push")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_PUSH_FIELD_NUMBER: _ClassVar[int]
     address: int
     length: int
     chunk_bytes: int
-    def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    accepts_push: bool
+    def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., accepts_push: _Optional[bool] = ...) -> None: ...
 
 class StageRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "transfer_id", "agent_name", "rows", "timeout_seconds", "done_slots")
+    __slots__ = ("engine_id", "request_id", "transfer_id", "agent_name", "rows", "timeout_seconds", "done_slots", "inbound", "landed_slot", "lend")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,9 @@ class StageRequest(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DONE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_FIELD_NUMBER: _ClassVar[int]
+    LANDED_SLOT_FIELD_NUMBER: _ClassVar[int]
+    LEND_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     transfer_id: str
@@ -106,7 +111,10 @@ class StageRequest(_message.Message):
     rows: bytes
     timeout_seconds: float
     done_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., rows: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., done_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    inbound: bool
+    landed_slot: int
+    lend: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., rows: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., done_slots: _Optional[_Iterable[int]] = ..., inbound: _Optional[bool] = ..., landed_slot: _Optional[int] = ..., lend: _Optional[bool] = ...) -> None: ...
 
 class StageResponse(_message.Message):
     __slots__ = ("slot", "address")

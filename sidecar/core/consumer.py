@@ -51,6 +51,7 @@ from sidecar.config import split_host_port
 from sidecar.core import validation
 from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
+from sidecar.core.push_staging import PushStaging  # gpu-push hook
 from sidecar.core.registry import CONSUMER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
 from sidecar.core.trace import notice_handoff, since_rpc
@@ -207,6 +208,8 @@ class ConsumerSide:
         self._pace: dict[tuple[str, str], float] = {}
         self._pace_changed = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        # gpu-push hook: staged pushes into our GPU engines (Stage with inbound; core.push_staging).
+        self.push_staging = PushStaging(ctx, self.requests)
 
     def start(self) -> None:
         self._heartbeat_task = asyncio.ensure_future(self._heartbeat_loop())
@@ -1155,6 +1158,9 @@ class ConsumerSide:
         return bool(response.in_flight)
 
     def _fail(self, pending: ConsumerRequest, reason: str, reason_label: str) -> None:
+        # gpu-push hook: a staged push's copy into these blocks still running holds them until done.
+        if self.push_staging.holds(pending.engine_id, pending.key, lambda: self._fail(pending, reason, reason_label)):
+            return
         self._ctx.metrics.failures.labels(reason=reason_label).inc()
         log.warning(
             "load_failed",

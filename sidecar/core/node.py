@@ -119,7 +119,7 @@ class Node:
             release=self.producer.handle_release,
             get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
-            stage=StageRoute(self.context, self.producer).handle,
+            stage=StageRoute(self.context, self.producer, self.consumer.push_staging.handle).handle,
             local_engine_view=self.handshakes.local_engine_view,
         )
         self.context.dataplane.stage_remote = self.peers.stage

@@ -90,7 +90,10 @@ class Worker:
             ],
             staging_pool=(
                 peer_pb2.StagingPool(
-                    address=self.staging_pool[0], length=self.staging_pool[1], chunk_bytes=self.staging_pool[2]
+                    address=self.staging_pool[0],
+                    length=self.staging_pool[1],
+                    chunk_bytes=self.staging_pool[2],
+                    accepts_push=True,  # push staging (core.push_staging)
                 )
                 if self.staging_pool
                 else None

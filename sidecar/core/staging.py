@@ -6,6 +6,7 @@ copy to the data plane's ``StagingServer``. Runs on the event loop thread."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from kvsidecar.v1 import peer_pb2
 from sidecar.core import validation
@@ -18,14 +19,23 @@ from sidecar.errors import FailedPrecondition, InvalidArgument
 
 
 class StageRoute:
-    def __init__(self, ctx: NodeContext, producer: ProducerSide) -> None:
+    def __init__(
+        self,
+        ctx: NodeContext,
+        producer: ProducerSide,
+        inbound: Callable[[peer_pb2.StageRequest], Awaitable[peer_pb2.StageResponse]] | None = None,
+    ) -> None:
         self._ctx = ctx
         self._producer = producer
+        # Push staging (``core.push_staging``): calls that land a push's chunk in our engine.
+        self._inbound = inbound
 
     async def handle(self, request: peer_pb2.StageRequest) -> peer_pb2.StageResponse:
         """Hand back the slots the caller has read, then copy a chunk of a held request's GPU KV
         into a slot for it to READ. The copy is a task of the engine, so a worker's removal waits
         for it before unmapping its memory."""
+        if request.inbound and self._inbound is not None:
+            return await self._inbound(request)
         ctx = self._ctx
         server = ctx.dataplane.staging_server
         if server is None:

@@ -29,10 +29,11 @@ posted: the failure goes out at once (what it reads cannot reach the peer).
 
 Target-side staging (``target_staging``): a pull from a peer whose GPU worker advertises its
 sidecar's pool READs each chunk from the slot that sidecar filled for it (``StagedMove.stager``).
-A peer whose KV is GPU memory and that does not stage (an older sidecar; a push's target, not
-built) is still reached through the memory its own sidecar registered (NIXL's emulation over TCP;
-an RDMA NIC cannot register it); it is logged once per peer agent
-(``host_staging_peer_gpu_memory``).
+A push into a peer whose GPU worker's sidecar lends its pool's slots WRITEs each chunk into one,
+and that sidecar copies it into its engine (``staged_push``, ``core.push_staging``). A peer whose
+KV is GPU memory and that does not stage (an older sidecar, staging off there) is still reached
+through the memory its own sidecar registered (NIXL's emulation over TCP; an RDMA NIC cannot
+register it); it is logged once per peer agent (``host_staging_peer_gpu_memory``).
 
 Threads: the event loop thread plans, launches copies (a launch returns at once) and awaits NIXL;
 waiting for a copy runs in ``asyncio.to_thread`` (``wait_copy`` blocks), bounded by the deadline.
@@ -52,6 +53,7 @@ from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, Transport
 from sidecar.dataplane.device_copy import LateCopies
 from sidecar.dataplane.plan.stage_chunks import StageChunks, cut
+from sidecar.dataplane.staged_push import PushStager, staged_push
 from sidecar.errors import DeadlineExceeded, FailedPrecondition
 from sidecar.logs import get_logger
 
@@ -164,8 +166,9 @@ class StagedMove:
     deadline: float
     not_after: float | None = None
     # A pull whose peer stages its GPU memory into its own pool (target_staging): chunk c is
-    # READ from the slot the peer filled for it, not from the peer's engine memory.
-    stager: Any = None  # target_staging.RemoteStager
+    # READ from the slot the peer filled for it, not from the peer's engine memory. A push into a
+    # peer that lends its pool's slots (staged_push.PushStager): chunk c is WRITTEN into one.
+    stager: Any = None  # target_staging.RemoteStager | staged_push.PushStager
     # "DRAM": the local engine's blocks are host memory (``device_rows`` then name them): a pull
     # from a staging peer READs each slot straight into them, through no pool of ours.
     local_mem: str = "VRAM"
@@ -209,8 +212,7 @@ class HostStaging:
                 reason=(
                     "the peer's KV is GPU memory its sidecar imported over CUDA IPC; it is reached through "
                     "that sidecar's NIXL registration (emulated over TCP; an RDMA NIC cannot register it): "
-                    "that sidecar does not stage it (an older version, host_staging.mode=off, or a push, whose "
-                    "target-side staging is not built)"
+                    "that sidecar does not stage it (an older version, or host_staging.mode=off there)"
                 ),
             )
         return local_mem == "VRAM"
@@ -226,7 +228,10 @@ class HostStaging:
             return TransferResult(False, f"host staging: {exc}")
         if chunks.count == 0:
             return await self._notify(move)
+        push = move.stager if isinstance(move.stager, PushStager) else None  # staged_push.py
         if move.local_mem == "DRAM":
+            if push is not None:
+                return await staged_push(self._transport, None, move, push, chunks, self.settings.slots)
             return await _direct_pull(self._transport, move, chunks, self.settings.slots)
         try:
             base = await self.pool.ready()
@@ -238,6 +243,8 @@ class HostStaging:
         except Exception as exc:
             log.error("host_staging_unavailable", agent=move.agent_name, error=str(exc))
             return TransferResult(False, f"host staging pool unavailable: {exc}")
+        if push is not None:
+            return await staged_push(self._transport, self.pool, move, push, chunks, self.settings.slots)
         try:
             slots = await self.pool.lend(min(self.settings.slots, chunks.count), move.deadline)
         except TimeoutError:

@@ -79,6 +79,7 @@ from sidecar.dataplane.plan.convert import (
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
+from sidecar.dataplane.staged_push import LentSlot, PushStager
 from sidecar.dataplane.target_staging import RemoteStager, StagedSlot, StagingServer, pack_rows
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
@@ -105,6 +106,8 @@ class WorkerView:
     # A peer's VRAM worker whose sidecar stages it for READs (``target_staging``): its pinned
     # pool (address, length, chunk_bytes) in that sidecar's address space; None: not offered.
     staging_pool: tuple[int, int, int] | None = None
+    # That sidecar also lends pool slots for a push into the worker (``staged_push``).
+    accepts_push: bool = False
 
 
 # Asks a peer sidecar (address) to stage a chunk (PeerService.Stage).
@@ -196,6 +199,7 @@ def view_from_descriptor(address: str, sidecar_id: str, engine: peer_pb2.EngineD
                 mem_type=_KIND_NAMES.get(kind, "DRAM"),
                 exports=exports,
                 staging_pool=(pool.address, pool.length, pool.chunk_bytes) if pool and pool.chunk_bytes else None,
+                accepts_push=bool(pool and pool.chunk_bytes and pool.accepts_push),
             )
         )
     return EngineView(
@@ -722,15 +726,21 @@ class DataPlane:
     def _stages(self, worker: LocalWorker, other: WorkerView, op: str = "") -> bool:
         """Whether this pair's bytes go through the pinned host pool (host_staging.py)."""
         staging = self.host_staging
-        peer_stages = op == "READ" and self._target_stages(other)
+        peer_stages = (op == "READ" and self._target_stages(other)) or (op == "WRITE" and self._push_stages(other))
         return staging is not None and staging.applies(worker.mem_type, other.agent.name, other.mem_type, peer_stages)
 
     def _target_stages(self, other: WorkerView) -> bool:
         return other.mem_type == "VRAM" and other.staging_pool is not None and self.stage_remote is not None
 
-    def _stager(self, job: TransferJob, other: WorkerView) -> RemoteStager | None:
-        """A pull from a peer worker that stages its GPU memory: the Stage calls for it."""
+    def _push_stages(self, other: WorkerView) -> bool:
+        return self._target_stages(other) and other.accepts_push
+
+    def _stager(self, job: TransferJob, other: WorkerView) -> RemoteStager | PushStager | None:
+        """A pull from a peer worker that stages its GPU memory, or a push into one whose sidecar
+        lends its pool's slots: the Stage calls for it."""
         stage_remote = self.stage_remote
+        if job.op == "WRITE" and stage_remote is not None and self._push_stages(other):
+            return self._push_stager(job, other, stage_remote)
         if job.op != "READ" or stage_remote is None or not self._target_stages(other):
             return None
         assert other.staging_pool is not None
@@ -746,6 +756,25 @@ class DataPlane:
             return StagedSlot(response.slot, response.address)
 
         return RemoteStager(call, other.staging_pool[2])
+
+    def _push_stager(self, job: TransferJob, other: WorkerView, stage_remote: StageRemote) -> PushStager:
+        """A push into a peer's GPU worker through its pool (``staged_push``): Stage calls with
+        ``inbound``, naming the consumer's request."""
+        assert other.staging_pool is not None
+        address, target = job.target.address, job.target
+
+        async def call(
+            rows: np.ndarray | None, landed: int, lend: bool, remaining: float, done: list[int]
+        ) -> LentSlot | None:
+            request = peer_pb2.StageRequest(
+                engine_id=target.engine_id, request_id=job.target_request_id, transfer_id=job.transfer_id,
+                agent_name=other.agent.name, rows=pack_rows(rows) if rows is not None else b"",
+                timeout_seconds=max(remaining, 0.0), done_slots=done, inbound=True, landed_slot=landed, lend=lend,
+            )  # fmt: skip
+            response = await stage_remote(address, request)
+            return LentSlot(response.slot, response.address) if lend else None
+
+        return PushStager(call, other.staging_pool[2])
 
     async def _host_staged(
         self,

@@ -105,6 +105,15 @@ class RemoteStager:
 @dataclass
 class _Lent:
     timer: asyncio.TimerHandle
+    # Push staging: the consumer request (engine, request id) whose producer may WRITE the slot;
+    # None: lent to a pull's READ.
+    owner: tuple[str, str] | None = None
+
+
+# Push staging: a slot lent for a peer's WRITE returns this long after the lease the peer asked
+# for (its transfer deadline), so a WRITE the transport let run to that deadline is over before
+# the slot can be lent to another request.
+INBOUND_LEASE_MARGIN_S = 5.0
 
 
 class StagingServer:
@@ -118,13 +127,14 @@ class StagingServer:
     def lent_slots(self) -> int:
         return len(self._lent)
 
-    def give_back(self, slots: list[int]) -> None:
+    def give_back(self, slots: list[int], owner: tuple[str, str] | None = None) -> None:
         """Slots a consumer has read (or whose lease ran out) return to the pool; unknown ones
-        (already back, or never lent) are ignored."""
+        (already back, never lent, or lent to another ``owner``) are ignored."""
         back = []
         for slot in slots:
-            lent = self._lent.pop(slot, None)
-            if lent is not None:
+            lent = self._lent.get(slot)
+            if lent is not None and lent.owner == owner:
+                del self._lent[slot]
                 lent.timer.cancel()
                 back.append(slot)
         if back:
@@ -171,10 +181,75 @@ class StagingServer:
         self._lent[slot] = _Lent(loop.call_at(loop.time() + (deadline - time.monotonic()), self._expire, slot))
         return StagedSlot(slot, address)
 
+    async def lend(self, owner: tuple[str, str], timeout_s: float) -> StagedSlot:
+        """Push staging: lend a free slot for a producer's WRITE into it, to ``owner`` (the
+        consumer request) until ``land`` or the lease's end (+ ``INBOUND_LEASE_MARGIN_S``).
+        Raises DeadlineExceeded when none is free in time."""
+        timeout_s = min(max(timeout_s, 0.0), MAX_LEASE_S)
+        base = await self.pool.ready()
+        try:
+            (slot,) = await self.pool.lend(1, time.monotonic() + timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded("no staging slot free before the deadline") from None
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + timeout_s + INBOUND_LEASE_MARGIN_S, self._expire, slot)
+        self._lent[slot] = _Lent(timer, owner)
+        return StagedSlot(slot, base + slot * self.pool.chunk_bytes)
+
+    async def land(
+        self,
+        owner: tuple[str, str],
+        device_id: int,
+        slot: int,
+        allowed: list[tuple[int, int]],
+        rows: np.ndarray,
+        timeout_s: float,
+        running: set[cuda_ipc.PendingCopy],
+    ) -> None:
+        """Push staging: the producer's WRITE into ``slot`` (lent to ``owner``) has ended: copy
+        ``rows`` (GPU address on ``device_id``, length, offset in the slot) slot -> the engine's
+        blocks with one ``batch_copy`` and return once it is complete (the slot back in the pool).
+        The copy sits in ``running`` while it may still write the blocks (the consumer's failure
+        of the request waits for those); one late past ``timeout_s`` stays there, its slot held
+        until a marker behind it completes. Raises InvalidArgument, DeadlineExceeded,
+        FailedPrecondition."""
+        lent = self._lent.get(slot)
+        if lent is None or lent.owner != owner:
+            raise FailedPrecondition(f"staging slot {slot} is not lent to this request (its lease ended?)")
+        _check_rows(rows, merged_ranges(allowed), self.pool.chunk_bytes)
+        del self._lent[slot]
+        lent.timer.cancel()
+        deadline = time.monotonic() + min(max(timeout_s, 0.0), MAX_LEASE_S)
+        copies = np.empty_like(rows)
+        copies[:, 0] = rows[:, 0]
+        copies[:, 1] = np.uint64(self.pool.address(slot)) + rows[:, 2]
+        copies[:, 2] = rows[:, 1]
+        try:
+            pending = cuda_ipc.batch_copy(device_id, copies)
+        except Exception as exc:
+            self.pool.give_back([slot])
+            raise FailedPrecondition(f"staging copy into the engine failed to launch: {exc}") from exc
+        running.add(pending)
+        try:
+            if not cuda_ipc.copy_done(pending):
+                await asyncio.to_thread(cuda_ipc.wait_copy, pending, deadline - time.monotonic(), abandon=False)
+        except (DeadlineExceeded, asyncio.CancelledError) as exc:
+            self._hold(device_id, slot)  # it still reads the slot; ``running`` keeps the blocks held
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise DeadlineExceeded("the staging copy into the engine did not complete before the deadline") from None
+        except Exception as exc:
+            running.discard(pending)
+            self.pool.give_back([slot])
+            raise FailedPrecondition(f"staging copy into the engine failed: {exc}") from exc
+        running.discard(pending)
+        self.pool.give_back([slot])
+
     def _expire(self, slot: int) -> None:
         if slot in self._lent:
-            log.warning("target_staging_slot_expired", slot=slot, detail="the consumer did not hand it back in time")
-            self.give_back([slot])
+            owner = self._lent[slot].owner
+            log.warning("target_staging_slot_expired", slot=slot, detail="the peer did not hand it back in time")
+            self.give_back([slot], owner)
 
     def _hold(self, device_id: int, slot: int) -> None:
         try:

@@ -13,6 +13,10 @@
   own ``FakeCudaDriver`` "GPU memory", behind an agent that registers NOTHING but the target's
   pinned pool (``target_staging.StagingServer``), and serves ``PeerService.Stage`` over real gRPC
   (port in ``DIR/stage.port``): every byte the initiator gets must come through both pools.
+- push staging (case ``push-gpu``, after ``pull-gpu``): the initiator pushes into "Pg"; the
+  target lends slots of its pool (Stage with ``inbound``) and copies each landed slot into its
+  fake GPU memory, which no agent registered, so every byte must come through both pools; at the
+  push's notification it writes that memory to ``DIR/push-gpu.bin`` for the initiator to compare.
 - ``measure DIR``: the same bytes through host staging and through today's engine-side staging
   (the engine copies its whole KV to a host buffer, then one NIXL WRITE), median of several runs.
 
@@ -58,7 +62,7 @@ LOCAL_LAYOUT = ("HND", 16)
 STAGING = HostStagingSettings(pool_bytes=1 << 20, chunk_bytes=64 << 10, slots=3)
 CASES = ("pull", "push", "pull-convert", "push-convert", "pull-hang")
 # Needs the target's gRPC port on loopback (not in the namespaces test).
-TARGET_CASES = ("pull-gpu",)
+TARGET_CASES = ("pull-gpu", "push-gpu")
 # The stuck copy of "pull-hang" (deadline 1.5 s) is released this long after the post.
 HANG_RELEASE_S = 3.5
 
@@ -83,10 +87,13 @@ def region_size(block_size: int, blocks: int = BLOCKS) -> int:
 async def target(directory: Path) -> None:
     spec = json.loads((directory / "spec.json").read_text())
     notes = (directory / "notes.jsonl").open("a")
+    pushed_into: list[np.ndarray] = []  # Pg's fake GPU memory
 
     def on_notifications(batch: list[tuple[str, bytes]], seen_at: float) -> None:
         for agent, payload in batch:
             notice = peer_pb2.TransferNotice.FromString(payload)
+            if notice.request_id == "push-gpu" and pushed_into:  # what the push left in the GPU
+                (directory / "push-gpu.bin").write_bytes(pushed_into[0].tobytes())
             notes.write(json.dumps({"agent": agent, "request_id": notice.request_id}) + "\n")
         notes.flush()
 
@@ -98,7 +105,7 @@ async def target(directory: Path) -> None:
         (directory / f"{name}.base").write_text(str(int(memory.ctypes.data)))  # its address there
         (directory / f"{name}.meta").write_bytes(meta)
     with FakeCudaDriver() as fake:
-        server = await serve_stage(directory, transport, fake, memories["P"])
+        server = await serve_stage(directory, transport, fake, memories["P"], pushed_into)
         transport.expect_notifications(1)
         (directory / "target.ready").touch()
         until = time.monotonic() + 120
@@ -115,6 +122,8 @@ class _StageOnly(peer_pb2_grpc.PeerServiceServicer):
         self._server, self._regions = server, regions
 
     async def Stage(self, request: peer_pb2.StageRequest, context: Any) -> peer_pb2.StageResponse:
+        if request.inbound:
+            return await self._inbound(request, context)
         self._server.give_back(list(request.done_slots))
         if not request.rows:
             return peer_pb2.StageResponse()
@@ -124,11 +133,29 @@ class _StageOnly(peer_pb2_grpc.PeerServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         return peer_pb2.StageResponse(slot=staged.slot, address=staged.address)
 
+    async def _inbound(self, request: peer_pb2.StageRequest, context: Any) -> peer_pb2.StageResponse:
+        """Push staging, as ``core.push_staging`` serves it (the request checks aside)."""
+        key = (request.engine_id, request.request_id)
+        self._server.give_back(list(request.done_slots), key)
+        try:
+            if request.rows:
+                rows, timeout = unpack_rows(request.rows), request.timeout_seconds
+                await self._server.land(key, 0, request.landed_slot, self._regions, rows, timeout, set())
+            if not request.lend:
+                return peer_pb2.StageResponse()
+            lent = await self._server.lend(key, request.timeout_seconds)
+        except SidecarError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return peer_pb2.StageResponse(slot=lent.slot, address=lent.address)
 
-async def serve_stage(directory: Path, transport: NixlTransport, fake: FakeCudaDriver, source: np.ndarray) -> Any:
+
+async def serve_stage(
+    directory: Path, transport: NixlTransport, fake: FakeCudaDriver, source: np.ndarray, pushed_into: list[np.ndarray]
+) -> Any:
     """The "Pg" worker: P's bytes in fake GPU memory, its agent registering only the pool."""
     gpu = fake.allocate(source.size)
     gpu.view()[:] = source
+    pushed_into.append(gpu.view())
     pool = PinnedPool(STAGING.pool_bytes, STAGING.chunk_bytes)
     base = await pool.ready()
     await transport.create_agent("Pg", [], "DRAM")
@@ -176,7 +203,9 @@ class Initiator:
             worker = WorkerView(self.peer_layout(name), agent, "DRAM")
             return EngineView(name, "target", "sidecar-p", 1, 1, "", "", (worker,))
         address, length, chunk = json.loads((self.directory / "Pg.pool").read_text())
-        worker = WorkerView(self.peer_layout(name), agent, "VRAM", staging_pool=(address, length, chunk))
+        worker = WorkerView(
+            self.peer_layout(name), agent, "VRAM", staging_pool=(address, length, chunk), accepts_push=True
+        )
         if self.plane.stage_remote is None:
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{(self.directory / 'stage.port').read_text()}")
             stub = peer_pb2_grpc.PeerServiceStub(channel)
@@ -223,11 +252,16 @@ class Initiator:
         notified = await self.notified(case, 10.0 if outcome.ok else 1.0)
         local_side = Side(self.local, d_blocks, 0)
         peer_here = self.peer_layout(peer, here=True)
+        peer_memory = self.peers[peer]
+        if case == "push-gpu":  # what the target's fake GPU holds after the push
+            dump = self.directory / "push-gpu.bin"
+            peer_memory = np.frombuffer(dump.read_bytes(), dtype=np.uint8) if dump.exists() else np.zeros(0, np.uint8)
+            peer_here = layout(int(peer_memory.ctypes.data), *PEER_LAYOUTS[peer])
         peer_side = Side(peer_here, p_blocks, 0)
-        equal = all(
+        equal = len(peer_memory) > 0 and all(
             np.array_equal(
                 self.tokens(self.gpu.view(), self.local, index, local_side),
-                self.tokens(self.peers[peer], peer_here, index, peer_side),
+                self.tokens(peer_memory, peer_here, index, peer_side),
             )
             for index in range(LAYERS)
         )
