@@ -12,10 +12,16 @@ BlockIdsLike = Sequence[Sequence[int]]
 
 
 def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
-    """vLLM's tuple-of-lists block ids as the proto message."""
+    """vLLM's block ids (one sequence per KV cache group) as the proto message; ``block_ids_of``
+    is its inverse. The shim's one converter each way between the two."""
     if block_ids is None:
         return common_pb2.GroupedBlockIds()
     return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in block_ids])
+
+
+def block_ids_of(message: common_pb2.GroupedBlockIds) -> tuple[tuple[int, ...], ...]:
+    """The proto message as vLLM-style block ids, one tuple per KV cache group (``grouped``'s inverse)."""
+    return tuple(tuple(group.ids) for group in message.groups)
 
 
 def remote(

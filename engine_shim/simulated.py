@@ -32,6 +32,7 @@ import numpy as np
 from engine_shim.client import EventWatcher, SidecarClient, remote
 from engine_shim.cuda_memory import CudaBuffer
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from engine_shim.messages import block_ids_of
 from kvsidecar.v1 import common_pb2, engine_pb2
 
 ROLES = {
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                     result = {
                         "entries": [
                             {"engine_id": e.engine_id, "request_id": e.request_id, "address": e.address,
-                             "blocks": [list(g.ids) for g in e.block_ids.groups], "num_tokens": e.num_tokens,
+                             "blocks": block_ids_of(e.block_ids), "num_tokens": e.num_tokens,
                              "expires_in_seconds": e.expires_in_seconds, "matched_blocks": e.matched_blocks,
                              "block_hashes": [h.hex() for h in e.block_hashes]}
                             for e in found.entries

@@ -35,7 +35,7 @@ CASES = [
 # A refusal tells the engine to recompute: the draining sidecar's UNAVAILABLE, or the restarted
 # one's NOT_FOUND for an engine (this one, or the peer's) that has yet to register again. CANCELLED:
 # a call that reached the sidecar in the last milliseconds of its stop (about 1 run in 4 of the push
-# cases); the vLLM shim releases such a request and recomputes it (scheduler.py, _REFUSED).
+# cases); the vLLM shim releases such a request and recomputes it (engine_shim/vllm/link.py, REFUSED).
 RECOMPUTE_CODES = {"UNAVAILABLE", "NOT_FOUND", "CANCELLED"}
 GRACE = 10.0
 

@@ -124,7 +124,7 @@ def test_keep_alive_outcome_reaches_the_scheduler_thread_only(scheduler: Schedul
     fake = KeepAliveClient()
     scheduler.client = fake  # type: ignore[assignment]
     lost = ThreadRecordingSet()
-    scheduler._producer_lost = lost
+    scheduler.receiver._producer_lost = lost
     params = {
         "do_remote_prefill": True,
         "remote_engine_id": "prefill-0",
@@ -169,10 +169,10 @@ def test_only_a_pull_into_an_idle_engine_loads_inline(scheduler: SchedulerSide) 
     matched = scheduler.get_num_new_matched_tokens
     assert matched(request("off", 100), 0) == (100, True)  # off by default
     scheduler.config = replace(scheduler.config, inline_load_max_tokens=8192)
-    scheduler._inline_possible = True  # as an engine built with it (one KV cache group, no async scheduling)
+    scheduler.receiver._inline_possible = True  # as an engine built with it (one KV cache group, no async scheduling)
     assert matched(request("a", 100), 32) == (67, False)  # 100 - 32 local - the last one
     assert matched(request("b", 100), 0) == (100, True)  # one inline load per step
-    scheduler._new_inline["a"] = scheduler._inline.pop("a")  # as its allocation and Pull do
+    scheduler.receiver._new_inline["a"] = scheduler.receiver._inline.pop("a")  # as its allocation and Pull do
     assert matched(request("b", 100), 0) == (100, True)  # still one per step once allocated
     scheduler.build_connector_meta(step)  # type: ignore[arg-type]
     assert matched(request("push", 100, "push"), 0) == (100, True)
@@ -190,7 +190,7 @@ def test_an_inline_pull_the_sidecar_refuses_fails_in_the_same_step(scheduler: Sc
     socket with no sidecar (UNAVAILABLE)."""
     scheduler._down = False
     scheduler.config = replace(scheduler.config, inline_load_max_tokens=8192)
-    scheduler._inline_possible = True
+    scheduler.receiver._inline_possible = True
     params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
               "remote_port": 50151, "remote_request_id": "r-p", "remote_block_ids": [[5, 6, 7]]}  # fmt: skip
     request = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=list(range(70)))
@@ -297,7 +297,7 @@ def test_a_producer_vouches_once_it_has_the_key_and_holds_vouched_blocks_if_the_
         assert PARAM_VOUCHER not in first and held_until_ms[0] == 0
         key = submitted[0].result(timeout=10).voucher_key
         deadline = time.monotonic() + 10
-        while scheduler._voucher_terms[0] != key:  # set by the answer's callback thread
+        while scheduler.sender._voucher_terms[0] != key:  # set by the answer's callback thread
             assert time.monotonic() < deadline
             time.sleep(0.01)
         # Blocks past the engine's 64: the sidecar refuses this submission, after the shim signed it.

@@ -68,7 +68,7 @@ class ShimConfig:
     # one engine step sooner than an asynchronous load. Larger ones, pushes and loads under load
     # stay asynchronous (the step waits for the transfer). 0 = never (the default: a failed
     # synchronous load's blocks stay in vLLM's prefix cache until recomputed). See
-    # SchedulerSide._loads_inline.
+    # engine_shim.vllm.receive.Receiver._loads_inline.
     inline_load_max_tokens: int = 0
     memory_export: str = "auto"  # "auto" | "mem_pool" | "torch_shm"
     shm_dir: str = str(SHM_DIR)

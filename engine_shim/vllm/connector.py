@@ -20,7 +20,7 @@ What it owns (and nothing else: NIXL, handshakes, leases and heartbeats live in 
 
 Threads:
 - vLLM's scheduler thread calls every scheduler-role method; gRPC callback threads complete the
-  futures and only append to ``SchedulerSide``'s deques or set plain flags;
+  futures and only append to the scheduler roles' deques or set plain flags;
 - vLLM's worker thread calls every worker-role method; one ``EventWatcher`` thread per
   registration puts events on ``WorkerSide._inbox``; a supervisor thread re-registers after the
   stream closes (a restarted sidecar) and announces it through the same queue, so all request
@@ -34,9 +34,10 @@ prompt. A closed event stream fails every receive the worker waits for and frees
 was holding for a consumer, so vLLM never waits on a dead sidecar.
 
 The parts, one module each in this package: ``config`` (``kv_connector_extra_config``),
-``metadata`` (scheduler -> worker, each step), ``scheduler`` (``SchedulerSide``), ``worker``
-(``WorkerSide``), ``kv_memory`` (the KV cache in shared memory), ``compat`` (versions, ranks, layout,
-compatibility factors), ``stats`` (vLLM's stat loggers and ``/metrics``). This module is the facade
+``metadata`` (scheduler -> worker, each step), ``scheduler`` (``SchedulerSide``, dispatching to D's
+``receive`` and P's ``send``, which share ``link``), ``worker`` (``WorkerSide``), ``kv_memory`` (the
+KV cache in shared memory), ``compat`` (versions, ranks, layout, compatibility factors), ``stats``
+(vLLM's stat loggers and ``/metrics``). This module is the facade
 vLLM loads; ``engine_shim.vllm_connector`` re-exports it for existing ``kv_connector_module_path``
 settings.
 """

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine_shim.client import Future, SidecarClient, remote
+from engine_shim.messages import block_ids_of
 from engine_shim.vllm.load_costs import LoadCosts
 from kvsidecar.v1 import engine_pb2
 
@@ -135,7 +136,7 @@ class HeldPrefix:
             address=entry.address,
             engine_id=entry.engine_id,
             request_id=entry.request_id,
-            block_ids=tuple(tuple(group.ids) for group in entry.block_ids.groups),
+            block_ids=block_ids_of(entry.block_ids),
             num_tokens=entry.num_tokens,
             tp_size=entry.tp_size,
             block_hashes=tuple(entry.block_hashes),

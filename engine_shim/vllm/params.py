@@ -13,8 +13,9 @@ def flat(block_ids: Sequence[Sequence[int]]) -> list[int]:
     return [block for group in block_ids for block in group]
 
 
-def grouped(value: Any) -> BlockIds:
-    """Block ids from kv_transfer_params: a list per group, or (older routers) one flat list."""
+def blocks_from_params(value: Any) -> BlockIds:
+    """Block ids from kv_transfer_params (``remote_block_ids``): a list per group, or (older
+    routers) one flat list. Not the proto's: ``engine_shim.messages`` converts those."""
     if not value:
         return ()
     items = list(value)

@@ -364,7 +364,7 @@ class WorkerSide:
 
     def _load_inline(self, bounds: Mapping[str, float]) -> None:
         """Wait until this step's inline loads ended, each within its bound (``recv_watchdog``: the
-        sidecar ends the Pull by its own, short bound; see SchedulerSide._await_inline_call),
+        sidecar ends the Pull by its own, short bound; see Receiver._await_inline_call),
         applying every event that arrives meanwhile. A load that ended without its KV, or not in
         time, leaves its blocks invalid: vLLM discards the step's output for the request and
         recomputes the prompt from the first invalid block."""
@@ -501,7 +501,7 @@ class WorkerSide:
         if not pending.inline:
             self._done_recving.add(request_id)
             self._failed_recving.add(request_id)
-        if self._single_group:  # always, for an inline load (SchedulerSide._loads_inline)
+        if self._single_group:  # always, for an inline load (Receiver._loads_inline)
             # Block ids are unambiguous only with one KV cache group (vLLM refuses them otherwise).
             self._invalid_blocks.update(failed or pending.blocks)
         self._record(request_id, event, "load_failed", reason, inline=pending.inline)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 
 from engine_shim.client import engine_channel
+from engine_shim.messages import grouped
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from tests.support.processes import SidecarProcess
 
@@ -74,11 +75,8 @@ def block_lists() -> st.SearchStrategy[list[int]]:
     )
 
 
-def grouped() -> st.SearchStrategy[common_pb2.GroupedBlockIds]:
-    return st.builds(
-        lambda groups: common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=g) for g in groups]),
-        st.lists(block_lists(), max_size=4),
-    )
+def block_id_groups() -> st.SearchStrategy[common_pb2.GroupedBlockIds]:
+    return st.builds(grouped, st.lists(block_lists(), max_size=4))
 
 
 def loopback_addresses(own: str) -> st.SearchStrategy[str]:
@@ -112,7 +110,7 @@ def remotes(own: str) -> st.SearchStrategy[engine_pb2.RemoteBlocks]:
         address=loopback_addresses(own),
         engine_id=idents(),
         request_id=request_ids(),
-        block_ids=grouped(),
+        block_ids=block_id_groups(),
         tp_size=u32(),
         num_tokens=u32(),
     )
@@ -175,18 +173,18 @@ def engine_calls(own: str, decoy: Path) -> st.SearchStrategy[tuple[str, Any]]:
         "UnregisterWorker": st.builds(engine_pb2.UnregisterWorkerRequest, engine_id=others, tp_rank=u32(),
                                       pp_rank=u32()),
         "SubmitBlocks": st.builds(engine_pb2.SubmitBlocksRequest, engine_id=idents(), request_id=request_ids(),
-                                  transfer_id=request_ids(), block_ids=grouped(), num_tokens=u32(),
+                                  transfer_id=request_ids(), block_ids=block_id_groups(), num_tokens=u32(),
                                   lease_seconds=seconds(), mode=st.sampled_from([0, 1, 2, 9])),
         "ExpectPush": st.builds(engine_pb2.ExpectPushRequest, engine_id=idents(), request_id=request_ids(),
-                                transfer_id=request_ids(), block_ids=grouped(), remote=remotes(own),
+                                transfer_id=request_ids(), block_ids=block_id_groups(), remote=remotes(own),
                                 timeout_seconds=seconds()),
         "KeepAlive": st.builds(engine_pb2.KeepAliveRequest, engine_id=idents(), request_id=request_ids(),
                                transfer_id=request_ids(), remote=remotes(own), timeout_seconds=seconds()),
         "Pull": st.builds(engine_pb2.PullRequest, engine_id=idents(), request_id=request_ids(),
-                          transfer_id=request_ids(), local_block_ids=grouped(), remote=remotes(own),
+                          transfer_id=request_ids(), local_block_ids=block_id_groups(), remote=remotes(own),
                           timeout_seconds=seconds()),
         "HoldBlocks": st.builds(engine_pb2.HoldBlocksRequest, engine_id=idents(), request_id=request_ids(),
-                                conversation_id=request_ids(), block_ids=grouped(), num_tokens=u32(),
+                                conversation_id=request_ids(), block_ids=block_id_groups(), num_tokens=u32(),
                                 ttl_seconds=seconds()),
         "QueryCache": st.builds(engine_pb2.QueryCacheRequest, engine_id=idents(), address=loopback_addresses(own),
                                 conversation_id=request_ids(), request_id=request_ids()),
@@ -206,7 +204,7 @@ def peer_calls(own: str) -> st.SearchStrategy[tuple[str, Any]]:
                                compatibility_hash=st.one_of(st.just(""), st.text(max_size=70))),
         "PushReg": st.builds(peer_pb2.PushRegRequest, caller=sidecar_infos(own), prefill_engine_id=idents(),
                              prefill_request_id=request_ids(), transfer_id=request_ids(),
-                             decode_engine_id=idents(), request_id=request_ids(), block_ids=grouped(),
+                             decode_engine_id=idents(), request_id=request_ids(), block_ids=block_id_groups(),
                              decode_tp_size=u32(), compatibility_hash=st.text(max_size=70),
                              timeout_seconds=seconds(), decode_generation=st.text(max_size=20)),
         "Heartbeat": st.builds(peer_pb2.HeartbeatRequest, caller_sidecar_id=idents(), engine_id=idents(),

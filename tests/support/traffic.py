@@ -6,7 +6,7 @@ does, and the accounting of every request's outcome: for the restart and overloa
 registered with a real sidecar) in this process. Like ``engine_shim/vllm/worker.py`` it fails
 every request it waits on when its event stream closes (vLLM recomputes them) and a supervisor
 thread registers it again, with backoff, until a sidecar serves the socket; like
-``engine_shim/vllm/scheduler.py`` it fails a request at once when a call is refused.
+``engine_shim/vllm/receive.py`` it fails a request at once when a call is refused.
 
 ``move`` runs one request (pull, push, or a multi-turn hold read back) and returns its
 ``Outcome``; a request is
@@ -39,6 +39,7 @@ import numpy as np
 
 from engine_shim.client import EventWatcher, SidecarClient, remote
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
+from engine_shim.messages import block_ids_of
 from engine_shim.simulated import ROLES
 from kvsidecar.v1 import common_pb2, engine_pb2
 
@@ -390,7 +391,7 @@ def hold_and_read_back(
     entry = entries[0]
     p_wait = p.expect(t2)
     try:
-        target = remote(entry.address, entry.engine_id, entry.request_id, [list(g.ids) for g in entry.block_ids.groups],
+        target = remote(entry.address, entry.engine_id, entry.request_id, block_ids_of(entry.block_ids),
                         num_tokens=entry.num_tokens)  # fmt: skip
         p.client.pull(p.engine_id, t2, [back], target)
     except grpc.RpcError as exc:
