@@ -238,7 +238,9 @@ def test_registrations_beyond_the_limits_are_resource_exhausted(sidecars) -> Non
 def test_an_owner_locked_export_nobody_locked_is_refused_and_its_file_kept(sidecars) -> None:
     sidecar = sidecars()
     layout = KvLayout(LAYERS, 8, BLOCK_LEN)
-    path = Path("/dev/shm") / f"kvsidecar-test-unlocked-{uuid.uuid4().hex[:8]}"
+    # Named with our pid, as engines name theirs: another test session's leak check then knows the
+    # file for another run's and leaves it alone.
+    path = Path("/dev/shm") / f"kvsidecar-{os.getpid()}-test-unlocked-{uuid.uuid4().hex[:8]}"
     path.write_bytes(b"\0" * layout.total_bytes)
     try:
         export = engine_pb2.MemoryExport(
