@@ -93,7 +93,7 @@ class ConsumerRequest(_Keyed):
     # push: set once the PushReg call returned (or failed); a release waits for it first.
     registration_done: asyncio.Event = field(default_factory=asyncio.Event)
     # pull: the voucher's verdict against one handshake (view, until): checked once per view.
-    vouched: tuple[EngineView, float] | None = None
+    vouched: tuple[EngineView, float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_push(self) -> bool:
