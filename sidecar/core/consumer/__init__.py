@@ -31,11 +31,11 @@ from sidecar.core.consumer.pull import PullReader
 from sidecar.core.consumer.push import PushReceiver
 from sidecar.core.consumer.table import (
     ConsumerRequest,
+    ConsumerTable,
     ForeignBlocks,
     KeptAlive,
     ProducerLost,
     RequestKey,
-    RequestTable,
 )
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Worker
@@ -46,7 +46,7 @@ __all__ = ["ConsumerRequest", "ConsumerSide", "Fence", "ForeignBlocks", "KeptAli
 class ConsumerSide:
     def __init__(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        self.table = RequestTable(ctx, on_watchdog=lambda keys: self.push.on_watchdog(keys))
+        self.table = ConsumerTable(ctx, on_watchdog=lambda keys: self.push.on_watchdog(keys))
         self.fences = PushFences(ctx, self.table)
         self.keepalive = KeepAlive(ctx, self.table, self.fences)
         integrity = DigestCheck(ctx, self.table)

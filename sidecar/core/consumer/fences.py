@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from sidecar.core.consumer.table import ConsumerRequest, RequestTable, log
+from sidecar.core.consumer.table import ConsumerRequest, ConsumerTable, log
 from sidecar.core.context import NodeContext
 from sidecar.dataplane.memory import FenceToken, WriteFences
 from sidecar.dataplane.plan.descriptors import block_byte_ranges
@@ -39,7 +39,7 @@ class Fence:
 
 
 class PushFences:
-    def __init__(self, ctx: NodeContext, table: RequestTable) -> None:
+    def __init__(self, ctx: NodeContext, table: ConsumerTable) -> None:
         self._ctx = ctx
         self._table = table
         self.write_fences = WriteFences()

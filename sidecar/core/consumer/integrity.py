@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from kvsidecar.v1 import engine_pb2, peer_pb2
-from sidecar.core.consumer.table import ConsumerRequest, RequestTable
+from sidecar.core.consumer.table import ConsumerRequest, ConsumerTable
 from sidecar.core.context import NodeContext
 from sidecar.dataplane.integrity import DigestSpan, check_span, digests, first_mismatch
 from sidecar.dataplane.plan.convert import single_group
@@ -17,7 +17,7 @@ from sidecar.dataplane.plan.layout import PlanError
 
 
 class DigestCheck:
-    def __init__(self, ctx: NodeContext, table: RequestTable) -> None:
+    def __init__(self, ctx: NodeContext, table: ConsumerTable) -> None:
         self._ctx = ctx
         self._table = table
 

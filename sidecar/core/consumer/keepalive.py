@@ -33,11 +33,11 @@ from sidecar.core import validation
 from sidecar.core.consumer.fences import PushFences
 from sidecar.core.consumer.table import (
     ConsumerRequest,
+    ConsumerTable,
     ForeignBlocks,
     KeptAlive,
     ProducerLost,
     RequestKey,
-    RequestTable,
     Waiting,
     log,
     named_blocks,
@@ -64,7 +64,7 @@ class ReadClearance:
 
 
 class KeepAlive:
-    def __init__(self, ctx: NodeContext, table: RequestTable, fences: PushFences) -> None:
+    def __init__(self, ctx: NodeContext, table: ConsumerTable, fences: PushFences) -> None:
         self._ctx = ctx
         self._table = table
         self._fences = fences

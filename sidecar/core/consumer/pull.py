@@ -18,10 +18,10 @@ from sidecar.core.consumer.integrity import DigestCheck
 from sidecar.core.consumer.keepalive import KeepAlive, ReadClearance
 from sidecar.core.consumer.table import (
     ConsumerRequest,
+    ConsumerTable,
     ForeignBlocks,
     ProducerLost,
     RequestEnded,
-    RequestTable,
     log,
 )
 from sidecar.core.context import NodeContext
@@ -32,7 +32,7 @@ from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 
 
 class PullReader:
-    def __init__(self, ctx: NodeContext, table: RequestTable, keep: KeepAlive, integrity: DigestCheck) -> None:
+    def __init__(self, ctx: NodeContext, table: ConsumerTable, keep: KeepAlive, integrity: DigestCheck) -> None:
         self._ctx = ctx
         self._table = table
         self._keep = keep

@@ -20,7 +20,7 @@ from sidecar.core import validation
 from sidecar.core.consumer.fences import PushFences
 from sidecar.core.consumer.integrity import DigestCheck
 from sidecar.core.consumer.keepalive import KeepAlive
-from sidecar.core.consumer.table import ConsumerRequest, RequestKey, RequestTable, grouped, log
+from sidecar.core.consumer.table import ConsumerRequest, ConsumerTable, RequestKey, grouped, log
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine, Worker
 from sidecar.core.trace import notice_handoff
@@ -32,7 +32,7 @@ from sidecar.tls import covers
 
 class PushReceiver:
     def __init__(
-        self, ctx: NodeContext, table: RequestTable, keep: KeepAlive, fences: PushFences, integrity: DigestCheck
+        self, ctx: NodeContext, table: ConsumerTable, keep: KeepAlive, fences: PushFences, integrity: DigestCheck
     ) -> None:
         self._ctx = ctx
         self._table = table

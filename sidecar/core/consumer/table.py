@@ -137,7 +137,7 @@ def grouped(blocks: BlockIds) -> common_pb2.GroupedBlockIds:
     return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in blocks])
 
 
-class RequestTable:
+class ConsumerTable:
     """The requests a local engine waits for. ``on_watchdog``: the push registration watchdog's
     callback (``push.PushReceiver.on_watchdog``); ``on_end``: called with each request that ends,
     so the keep-alive forgets its checks and a held fence goes."""
