@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero multihost fuzz chaos soak lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn clean
+.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero skew multihost fuzz chaos soak restart overload lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn bench-overload clean
 
 setup: $(STAMP)
 
@@ -36,7 +36,7 @@ proto: setup
 # /dev/shm, which the other worker's tests would move).
 PARALLEL := -n 2 --dist loadfile
 ALONE := vllm or soak
-SKIPPED := not hetero and not multihost_full and not upstream_full
+SKIPPED := not hetero and not multihost_full and not upstream_full and not skew_full and not restart_full and not overload_full
 test: setup upstream
 	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
 	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)"
@@ -52,6 +52,11 @@ test-fast: setup
 # The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
 hetero: setup
 	$(PY) -m pytest -q -m hetero tests/test_hetero.py
+
+# Version skew (docs/compatibility.md): the pinned older commit, built from git into a temporary
+# venv, and this checkout through pull, push and multi-turn both ways; `make test` runs pull.
+skew: setup
+	$(PY) -m pytest -q -m skew tests/test_version_skew.py
 
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup
@@ -70,12 +75,23 @@ chaos: setup
 soak: setup
 	KVSIDECAR_SOAK_REQUESTS=10000 $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
+# Rolling restarts under load: SIGTERM to P's or D's sidecar in pull, push and multi-turn while
+# requests stream; no request lost (tests/test_restart.py; `make test` runs three of the six).
+restart: setup
+	$(PY) -m pytest -q -s tests/test_restart.py
+
+# A node pair driven at 2x and 10x what it moves: refusals, bounds, recovery (tests/test_overload.py;
+# `make test` runs a seconds-long 10x burst). The figures: `make bench-overload`.
+overload: setup
+	$(PY) -m pytest -q -s tests/test_overload.py
+
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/ruff format --check sidecar engine_shim kvsidecar tests bench examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-logo
 	$(PY) .ci/line_budget.py
+	$(PY) -m sidecar.tools.proto_compat --against accfe2b
 
 run: setup
 	$(VENV)/bin/kvsidecar serve
@@ -109,6 +125,10 @@ bench-load: setup
 # Multi-turn reuse: P's TTFT at turn 2 loading the history from D vs recomputing it (bench/README.md).
 bench-multiturn: setup
 	$(PY) -m bench.multiturn --json bench/out/multiturn.json --png bench/out/multiturn.png
+
+# Overload figures: 2x and 10x for a minute each, pull and push (bench/README.md).
+bench-overload: setup
+	$(PY) -m bench.overload --json bench/out/overload.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache .grimp_cache

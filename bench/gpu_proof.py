@@ -418,9 +418,10 @@ def _attribute_protocols(
             row.extra["ucx_protocol"] = path
             continue
         if path == "host_staging":
-            # The staged bytes still cross UCX between host memory and the peer's memory: a peer
-            # whose GPU memory is not staged on its side (target-side staging) is reached by
-            # emulation, and the row must say so.
+            # The staged bytes still cross UCX between host memory and the peer's memory. A pull
+            # from a GPU producer is staged on both ends (target_staging: host -> host); a push
+            # into a GPU consumer is not staged on its side yet and is reached by emulation,
+            # and the row must say so.
             staged = [c for c in mine if c.op == op and "host" in (c.src, c.dst)]
             texts = list(dict.fromkeys(f"{c.text} ({c.src}->{c.dst})" for c in staged))
             row.extra["ucx_protocol"] = f"host_staging; UCX: {'; '.join(texts)}" if texts else "host_staging"

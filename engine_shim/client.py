@@ -141,12 +141,22 @@ class SessionToken(
 ):
     """Adds the session token to every call (see the module docstring). Thread-safe."""
 
-    def __init__(self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0) -> None:
+    def __init__(
+        self, auth_socket: str | os.PathLike[str] | None, timeout: float = 5.0, problem_level: int = logging.WARNING
+    ) -> None:
         self._auth_socket = auth_socket
         self._timeout = timeout
         self._token = ""
         self._problem = ""
+        # A readiness poll of a sidecar still starting expects refusals: it logs them at DEBUG.
+        self._problem_level = problem_level
         self._lock = threading.Lock()
+
+    @property
+    def problem(self) -> str:
+        """Why the last request for a token failed ("" after one succeeded)."""
+        with self._lock:
+            return self._problem
 
     def current(self, stale: str = "") -> str:
         """The token, asked for when there is none yet or the one the sidecar refused is ``stale``."""
@@ -158,7 +168,7 @@ class SessionToken(
                 except OSError as exc:  # refused (PermissionError) or no sidecar: the call says so
                     self._token = ""
                     if str(exc) != self._problem:
-                        log.warning("no session token from the sidecar: %s", exc)
+                        log.log(self._problem_level, "no session token from the sidecar: %s", exc)
                     self._problem = str(exc)
             return self._token
 
@@ -193,21 +203,26 @@ def engine_channel(
     target: str | None = None,
     auth_socket: str | os.PathLike[str] | None = None,
     options: Sequence[tuple[str, Any]] = (),
+    token: SessionToken | None = None,
 ) -> grpc.Channel:
     """A channel to a sidecar's engine socket (or loopback ``target``) whose calls carry a session
-    token. A TCP ``target`` needs ``auth_socket`` (the credential socket next to the engine socket)."""
+    token. A TCP ``target`` needs ``auth_socket`` (the credential socket next to the engine socket).
+    ``token``: the session token to use (e.g. one shared by successive channels), else a new one."""
     if target is None:
         if socket_path is None:
             raise ValueError("give socket_path or target")
         target = f"unix:{os.fspath(socket_path)}"
         auth_socket = auth_socket or auth_socket_for(socket_path)
-    return _token_channel(target, auth_socket, options)[0]
+    return _token_channel(target, auth_socket, options, token)[0]
 
 
 def _token_channel(
-    target: str, auth_socket: str | os.PathLike[str] | None, options: Sequence[tuple[str, Any]]
+    target: str,
+    auth_socket: str | os.PathLike[str] | None,
+    options: Sequence[tuple[str, Any]],
+    token: SessionToken | None = None,
 ) -> tuple[grpc.Channel, SessionToken]:
-    token = SessionToken(auth_socket)
+    token = token or SessionToken(auth_socket)
     return grpc.intercept_channel(grpc.insecure_channel(target, options=list(options)), token), token
 
 

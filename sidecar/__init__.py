@@ -18,5 +18,38 @@ This top level holds the foundation every sub-package may import: the version, `
 
 __version__ = "0.1.0"
 
-# Wire protocol revision spoken between sidecars (VersionInfo.protocol); bump on breaking changes.
+# Wire protocol revision spoken between sidecars (VersionInfo.protocol); bump on breaking changes,
+# which docs/compatibility.md rules out within kvsidecar.v1 (compatible changes never bump it).
 PROTOCOL_VERSION = 1
+
+# Optional capabilities this sidecar tells its peers in every SidecarInfo (VersionInfo.features).
+# A name is added with the capability and never removed or reused within kvsidecar.v1; a peer
+# checks for a name before relying on a capability newer than BASELINE_FEATURES, and treats a
+# name it does not know as absent. An empty list is a sidecar from before the list (accfe2b):
+# it has exactly BASELINE_FEATURES.
+BASELINE_FEATURES: tuple[str, ...] = (
+    "pull",
+    "push",
+    "vouchers",
+    "integrity_digests",
+    "layout_conversion",
+    "multiturn_holds",
+    "trace",
+)
+# Announced since: the feature list itself, the engine Session stream, the peer Stream, node-local
+# GPU device copies (WorkerDescriptor.node_local_exports), target-side host staging (Stage), the
+# self-test host (SelfTestService).
+FEATURES: tuple[str, ...] = (
+    *BASELINE_FEATURES,
+    "features",
+    "engine_session",
+    "peer_stream",
+    "device_copy",
+    "target_staging",
+    "selftest",
+)
+
+
+def peer_features(announced: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """What a peer can do, from its VersionInfo.features (empty: the baseline)."""
+    return frozenset(announced) if announced else frozenset(BASELINE_FEATURES)

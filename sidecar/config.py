@@ -21,7 +21,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -81,6 +89,23 @@ def _split_list(value: Any) -> Any:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _duration(low: float, high: float, zero: str | None = None, unit: str = "s") -> AfterValidator:
+    """A duration setting's range: ``low``..``high`` (in ``unit``), or 0 where ``zero`` says what 0
+    means. The floors are what the event loop and the kernel can time under load (10 ms), or higher
+    where a smaller value would make the setting fail everything it bounds (a lease, a timeout);
+    the ceilings are beyond what any deployment needs. A value outside is a typo (ms for s)."""
+
+    def check(value: float) -> float:
+        if value == 0 and zero is not None:
+            return value
+        if not low <= value <= high:
+            allowed = f"between {low:g} and {high:g} {unit}"
+            raise ValueError(f"must be {allowed}" + (f", or 0 ({zero})" if zero is not None else ""))
+        return value
+
+    return AfterValidator(check)
+
+
 class NixlSettings(BaseModel):
     """How the sidecar drives NIXL."""
 
@@ -95,7 +120,7 @@ class NixlSettings(BaseModel):
     ucx_error_handling_mode: Literal["peer", "none"] = "peer"
     # Longest sleep between two progress polls while transfers or notifications are expected. The
     # owner thread polls right away after activity and backs off to this; idle it does not poll.
-    poll_interval_max_ms: float = Field(default=1.0, gt=0.0, le=100.0)
+    poll_interval_max_ms: Annotated[float, _duration(0.01, 100.0, unit="ms")] = 1.0
     # Largest post to NIXL: bigger transfers go in chunks of about this many bytes, interleaved
     # with other requests' posts (between processes on one host each copy runs inside the post, on
     # the owner thread, so a small request would otherwise wait for a whole large copy). 0 = never
@@ -111,8 +136,8 @@ class NixlSettings(BaseModel):
     # Liveness of the owner thread: a no-op is sent every probe interval; one unanswered for
     # stall_seconds (NIXL has no timeouts; registering large memory can take seconds) makes health
     # NOT_SERVING and withholds systemd watchdog pings until it is answered. 0 disables the probe.
-    probe_interval_seconds: float = Field(default=5.0, ge=0.0, le=3600.0)
-    stall_seconds: float = Field(default=60.0, gt=0.0, le=86400.0)
+    probe_interval_seconds: Annotated[float, _duration(0.01, 3600.0, zero="no probe")] = 5.0
+    stall_seconds: Annotated[float, _duration(0.1, 86400.0)] = 60.0
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -148,7 +173,8 @@ class HostStagingSettings(BaseModel):
 
 
 class Settings(BaseSettings):
-    """All settings of ``kvsidecar serve``. Durations are seconds."""
+    """All settings of ``kvsidecar serve``. Durations are seconds (``_ms``: milliseconds), each within
+    the range its ``_duration`` gives; 0 is allowed only where the comment says what it means."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -183,45 +209,45 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # Producer lease: how long submitted blocks are held without a consumer's heartbeat.
-    lease_seconds: float = Field(default=30.0, gt=0.0, le=86400.0)
+    lease_seconds: Annotated[float, _duration(0.1, 86400.0)] = 30.0
     # Consumer heartbeat period; 0 means lease_seconds / 6.
-    heartbeat_interval_seconds: float = Field(default=0.0, ge=0.0, le=3600.0)
+    heartbeat_interval_seconds: Annotated[float, _duration(0.01, 3600.0, zero="lease_seconds / 6")] = 0.0
     # A producer may be asked about a request before its own SubmitBlocks reached it; "unknown"
     # counts as "lost" after this long (or at once if the producer had confirmed it before).
-    producer_unknown_grace_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
+    producer_unknown_grace_seconds: Annotated[float, _duration(0.01, 600.0, zero="no grace")] = 2.0
     # Pull vouchers (kvsidecar.voucher): how long a producer engine's voucher may be valid. A
     # consumer holding a valid one reads without first confirming the lease with the producer's
     # sidecar; the producer holds vouched blocks that long even if the request is released
     # meanwhile (unless a consumer read them). 0: off (engines get no key, and a consumer ignores
     # vouchers).
-    voucher_seconds: float = Field(default=10.0, ge=0.0, le=3600.0)
+    voucher_seconds: Annotated[float, _duration(0.01, 3600.0, zero="vouchers off")] = 10.0
     # Allowance for the two nodes' wall clocks (vouchers and push registrations carry Unix times):
     # the producer holds this much longer, a consumer stops using a voucher this much earlier, and
     # a producer stops posting a push's WRITEs this much before the consumer's write_by. Safe while
     # the consumer's clock is behind the producer's by less than twice this (vouchers) and the
     # producer's is behind the consumer's by less than this (push).
-    voucher_clock_skew_seconds: float = Field(default=0.5, ge=0.0, le=600.0)
+    voucher_clock_skew_seconds: Annotated[float, _duration(0.001, 600.0, zero="clocks in step")] = 0.5
     # A peer's Handshake, PushReg or Heartbeat naming an engine of ours that has not registered yet
     # (starting or restarting) waits this long for it before answering as before; capped at 80 % of
     # peer_call_timeout_seconds so the answer beats the caller's deadline. 0: fail at once.
-    engine_arrival_wait_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
+    engine_arrival_wait_seconds: Annotated[float, _duration(0.01, 600.0, zero="fail at once")] = 2.0
     # Consecutive failed heartbeats after which a consumer gives up on a peer's requests.
     heartbeat_failures_allowed: int = Field(default=2, ge=1, le=100)
     # Consumer, push: a registered push that has not arrived by then fails (vLLM recomputes).
-    push_registration_timeout_seconds: float = Field(default=480.0, gt=0.0, le=86400.0)
+    push_registration_timeout_seconds: Annotated[float, _duration(0.1, 86400.0)] = 480.0
     # Bound on one pull (handshake + reads) and on one NIXL transfer.
-    transfer_timeout_seconds: float = Field(default=30.0, gt=0.0, le=3600.0)
+    transfer_timeout_seconds: Annotated[float, _duration(0.1, 3600.0)] = 30.0
     # Default hold time for HoldBlocks (multi-turn).
-    hold_ttl_seconds: float = Field(default=480.0, gt=0.0, le=86400.0)
+    hold_ttl_seconds: Annotated[float, _duration(0.1, 86400.0)] = 480.0
     # Share of an engine's KV blocks its holds may occupy; past it the oldest holds are released
     # (the engine gets the blocks back), so holding for multi-turn reuse never starves it.
     hold_max_share: float = Field(default=0.25, gt=0.0, le=1.0)
     # Deadline of one PeerService call (handshake included).
-    peer_call_timeout_seconds: float = Field(default=5.0, gt=0.0, le=600.0)
+    peer_call_timeout_seconds: Annotated[float, _duration(0.1, 600.0)] = 5.0
     # A worker that registered must open WatchEvents within this time or its registration is dropped.
-    worker_attach_timeout_seconds: float = Field(default=30.0, gt=0.0, le=3600.0)
+    worker_attach_timeout_seconds: Annotated[float, _duration(0.1, 3600.0)] = 30.0
     # Graceful shutdown: in-flight calls and transfers get this long before the daemon exits.
-    shutdown_grace_seconds: float = Field(default=10.0, ge=0.0, le=3600.0)
+    shutdown_grace_seconds: Annotated[float, _duration(0.01, 3600.0, zero="exit at once")] = 10.0
     # Directories from which shared-memory files may be mapped.
     shm_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path("/dev/shm")], min_length=1)
     # Largest gRPC message accepted or sent.
@@ -406,10 +432,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
 
 
-def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | None = None) -> Settings:
+def load_settings(
+    overrides: dict[str, Any] | None = None,
+    config_file: Path | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> Settings:
     """Build the settings: defaults < TOML file < environment < ``overrides`` (the CLI flags).
 
-    The TOML file is ``config_file``, else ``$KVSIDECAR_CONFIG`` if set.
+    The TOML file is ``config_file``, else ``$KVSIDECAR_CONFIG`` if set. ``flags`` maps a setting
+    to the caller's own flag for it (e.g. ``lease_seconds`` -> ``--lease-seconds``), so that an
+    error cites only flags that exist; any other setting is cited as ``--set NAME=...``.
     """
     if config_file is None and os.environ.get(ENV_PREFIX + "CONFIG"):
         config_file = Path(os.environ[ENV_PREFIX + "CONFIG"])
@@ -425,7 +457,7 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | N
     try:
         loaded = _Settings(**clean)
     except ValidationError as exc:
-        raise ConfigError(_describe_validation_error(exc, config_file)) from None
+        raise ConfigError(_describe_validation_error(exc, config_file, flags or {})) from None
     except SettingsError as exc:
         # pydantic-settings could not parse an environment value (e.g. a JSON object it expected).
         cause = f": {exc.__cause__}" if exc.__cause__ else ""
@@ -433,23 +465,55 @@ def load_settings(overrides: dict[str, Any] | None = None, config_file: Path | N
     return Settings.model_construct(**{name: getattr(loaded, name) for name in Settings.model_fields})
 
 
-def _describe_validation_error(exc: ValidationError, config_file: Path | None) -> str:
+def _describe_validation_error(exc: ValidationError, config_file: Path | None, flags: Mapping[str, str]) -> str:
     problems = []
     for error in exc.errors():
-        message = error["msg"]
+        message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "finite_number":
             message = "is not a number (NaN and infinity are not allowed)"
         if not error["loc"]:  # a check across settings: its message names them
-            problems.append(f"invalid settings: {message.removeprefix('Value error, ')}")
+            problems.append(f"invalid settings: {message}")
             continue
         name = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
-        env_name = ENV_PREFIX + name.replace(".", "__").upper()
-        flag = f"--set {name}=..." if "." in name else f"--{name.replace('_', '-')}"
-        origin = f"{flag}, {env_name}" + (f" or {config_file}" if config_file else "")
+        in_file = f" or {config_file}" if config_file else ""
         value = error.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
-        problems.append(f"invalid setting {name!r}{shown}: {message} [from {origin}]")
+        if error["type"] == "extra_forbidden":
+            # Not a setting: it came from --set or the file (or a nested variable, which the
+            # environment source passes on); cite those and the closest real setting, nothing else.
+            env = f", {_env_name(name)}" if "." in name else ""
+            hint = _closest_setting(name)
+            suggestion = f"; did you mean {hint!r} ({_origin(hint, flags, in_file)})?" if hint else ""
+            problems.append(f"unknown setting {name!r}{shown} [from --set {name}=...{env}{in_file}]{suggestion}")
+            continue
+        problems.append(f"invalid setting {name!r}{shown}: {message} [from {_origin(name, flags, in_file)}]")
     return "; ".join(problems)
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.replace(".", "__").upper()
+
+
+def _origin(name: str, flags: Mapping[str, str], in_file: str) -> str:
+    """Where a setting may have come from: its flag if the caller has one, else ``--set``."""
+    return f"{flags.get(name) or f'--set {name}=...'}, {_env_name(name)}{in_file}"
+
+
+def setting_names() -> list[str]:
+    """Every setting's name, nested ones as ``group.name``."""
+    names: list[str] = []
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            names.extend(f"{name}.{inner}" for inner in annotation.model_fields)
+        else:
+            names.append(name)
+    return names
+
+
+def _closest_setting(name: str) -> str | None:
+    close = difflib.get_close_matches(name.lower(), setting_names(), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _known_env_names() -> dict[str, str]:

@@ -55,5 +55,21 @@ class Unavailable(SidecarError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+DRAINING = "the sidecar is draining for shutdown"
+
+
+class Draining(Unavailable):
+    """A stopping sidecar refused new work before any of it took effect. Its message starts with
+    ``DRAINING``, which is how a peer's client tells it from an UNAVAILABLE that may have reached
+    the peer (a connection lost mid-call)."""
+
+
 class DeadlineExceeded(SidecarError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unimplemented(SidecarError):
+    """A peer answered UNIMPLEMENTED: it is a version without this RPC, so the feature is absent
+    there (docs/compatibility.md); an answer, not a failure of the peer."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

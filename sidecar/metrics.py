@@ -67,31 +67,52 @@ class SidecarMetrics:
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
+        # One transfer as the data plane moves it, by path: a NIXL transfer ("nixl"), a request's
+        # batched device copy ("device_copy"), or a transfer staged through the pinned host pool
+        # ("host_staging", counted whole: its chunks' NIXL transfers are not counted apart).
         self.xfer_duration = Histogram(
             "kvsidecar_nixl_transfer_seconds",
-            "Duration of one NIXL transfer as NIXL measured it.",
-            ["op"],
+            "Duration of one transfer, post to done: NIXL's own measurement (path=nixl), a device copy's "
+            "(device_copy), a staged transfer's first post to last completion (host_staging).",
+            ["op", "path"],
             buckets=_TIME_BUCKETS,
             registry=r,
         )
         self.xfer_post = Histogram(
             "kvsidecar_nixl_post_seconds",
-            "Time NIXL took to post one transfer.",
-            ["op"],
+            "Time taken to post one transfer (NIXL's post; a device copy's launch).",
+            ["op", "path"],
             buckets=_TIME_BUCKETS,
             registry=r,
         )
         self.xfer_bytes = Counter(
-            "kvsidecar_transfer_bytes_total", "Bytes moved by NIXL transfers.", ["op"], registry=r
+            "kvsidecar_transfer_bytes_total", "Bytes moved by transfers, by path.", ["op", "path"], registry=r
         )
         self.xfer_request_bytes = Histogram(
-            "kvsidecar_transfer_size_bytes", "Bytes per NIXL transfer.", ["op"], buckets=_BYTE_BUCKETS, registry=r
+            "kvsidecar_transfer_size_bytes", "Bytes per transfer.", ["op", "path"], buckets=_BYTE_BUCKETS, registry=r
         )
         self.xfer_descriptors = Histogram(
             "kvsidecar_transfer_descriptors",
-            "Descriptors per NIXL transfer after merging adjacent blocks.",
-            ["op"],
+            "Descriptors (device copies: copy rows) per transfer after merging adjacent blocks.",
+            ["op", "path"],
             buckets=_DESC_BUCKETS,
+            registry=r,
+        )
+        self.device_copies_held = Gauge(
+            "kvsidecar_device_copies_held",
+            "Device copies past their deadline that may still write an engine's blocks: their transfer's "
+            "failure, and the blocks, wait until they complete (above 0 for long: a hung GPU).",
+            registry=r,
+        )
+        self.staging_slots_lent = Gauge(
+            "kvsidecar_staging_slots_lent",
+            "Slots of the pinned pool lent to peers reading this sidecar's GPU KV (target-side staging); "
+            "each returns when handed back or at its lease's end.",
+            registry=r,
+        )
+        self.device_copy_held_bytes = Gauge(
+            "kvsidecar_device_copy_held_bytes",
+            "Bytes of the device copies held (kvsidecar_device_copies_held).",
             registry=r,
         )
         self.failures = Counter(

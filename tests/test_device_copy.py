@@ -232,6 +232,11 @@ def test_vram_on_one_sidecar_moves_by_one_device_copy_launch_per_request(
             initiator = D if mode == "pull" else P
             (detail,) = side.completions(initiator, "r1-d" if mode == "pull" else "r1")
             assert "path=device_copy" in detail and "1 launches" in detail, detail
+            # Counted in the transfer metrics as NIXL transfers are, under their path.
+            sample = side.node.metrics.registry.get_sample_value
+            labels = {"op": "READ" if mode == "pull" else "WRITE", "path": "device_copy"}
+            assert sample("kvsidecar_transfer_bytes_total", labels) == 2 * len(kvs[0].blocks([3, 4, 5]))
+            assert sample("kvsidecar_nixl_transfer_seconds_count", labels) == 2
 
     asyncio.run(scenario())
 
@@ -327,36 +332,103 @@ def test_block_size_and_layout_conversions_copy_every_token_to_its_place(tmp_pat
     asyncio.run(scenario())
 
 
-def test_a_device_copy_that_never_completes_fails_the_load_at_its_deadline(
-    tmp_path: Path, fake: FakeCudaDriver
+async def _no_event(side: Sidecar, engine_id: str, seconds: float) -> None:
+    """The engine hears nothing for ``seconds``: its blocks are still the sidecar's."""
+    worker = side.node.registry.worker(engine_id, 0, 0)
+    assert worker is not None
+    await asyncio.sleep(seconds)
+    assert worker.events.empty(), worker.events.get_nowait()
+
+
+def _held(side: Sidecar) -> tuple[int, float | None]:
+    late = side.node.context.dataplane.late_copies
+    return late.copies, side.node.metrics.registry.get_sample_value("kvsidecar_device_copies_held")
+
+
+@pytest.mark.parametrize("sidecars", ["one", "two"])
+def test_a_hung_device_copy_keeps_the_blocks_from_the_engine_until_the_copy_completes(
+    tmp_path: Path, fake: FakeCudaDriver, sidecars: str
 ) -> None:
+    """GPU memory cannot be fenced and a copy cannot be cancelled: a copy past its deadline may
+    still write D's blocks, so D's LOAD_FAILED (which hands them back to vLLM for the recompute)
+    waits until the copy's completion event fires; then it comes, and nothing stays held."""
+
     async def scenario() -> None:
-        async with sidecar(tmp_path, "one", FakeFabric()) as side:
+        fabric = FakeFabric()
+        async with AsyncExitStack() as stack:
+            p_side = await stack.enter_async_context(sidecar(tmp_path, "p", fabric))
+            d_side = p_side if sidecars == "one" else await stack.enter_async_context(sidecar(tmp_path, "d", fabric))
             p, d = gpu_kv(fake, P), gpu_kv(fake, D)
-            await side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
-            await side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
+            await p_side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
+            await d_side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
+            p.fill([1, 2], seed=1)
             fake.hang = True
-            started = asyncio.get_running_loop().time()
-            await pull(side, side, "hung", [1, 2], [3, 4], timeout_seconds=0.5)
-            failed = await side.event(D, timeout=10)
+            await pull(p_side, d_side, "hung", [1, 2], [3, 4], timeout_seconds=0.5)
+            await _no_event(d_side, D, 1.5)  # 1 s past the deadline: held, not failed
+            assert _held(d_side) == (1, 1.0) and fake.held_copies == 1
+            assert d.blocks([3, 4]) != p.blocks([1, 2])  # the copy has not run
+            fake.release()  # the device gets going: the late copy lands now, in blocks still held
+            failed = await d_side.event(D, timeout=10)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
-            assert "device copy failed" in failed.reason and "not complete after" in failed.reason, failed.reason
+            assert "not complete after" in failed.reason and "held from the engine until then" in failed.reason
             assert list(failed.failed_block_ids) == [3, 4]
-            assert asyncio.get_running_loop().time() - started < 5
-            (detail,) = side.completions(D, "hung-d")
+            assert _held(d_side) == (0, 0.0) and d_side.node.context.dataplane.late_copies.ended == 1
+            (detail,) = d_side.completions(D, "hung-d")
             assert "failed" in detail and "path=device_copy" in detail, detail
+            # Nothing leaks: the event was followed to its end, and the node moves the next request.
+            assert fake.destroyed_events == len(fake.batch_launches) and fake.calls.count("event_abandoned") == 0
+            p.fill([1, 2], seed=2)
+            await pull(p_side, d_side, "after", [1, 2], [3, 4])
+            received = await d_side.event(D)
+            assert received.kind == engine_pb2.FINISHED_RECEIVING, received
+            assert d.blocks([3, 4]) == p.blocks([1, 2])
 
     asyncio.run(scenario())
 
 
-def test_an_engine_leaving_during_a_hung_copy_keeps_its_memory_open_until_the_copy_is_given_up(
+def test_a_hung_device_copy_of_a_push_holds_the_consumers_blocks_until_it_completes(
     tmp_path: Path, fake: FakeCudaDriver
 ) -> None:
-    """A DMA cannot be called back: the worker's removal waits for the copy's deadline before the
-    sidecar closes the memory the copy writes into."""
+    """P's sidecar copies into D's GPU memory: P's failure (TransferFailed, then D's LOAD_FAILED)
+    waits for the late copy; meanwhile P answers D that a WRITE is in flight, so D holds too."""
 
     async def scenario() -> None:
-        async with sidecar(tmp_path, "one", FakeFabric()) as side:
+        fabric = FakeFabric()
+        overrides = {
+            "transfer_timeout_seconds": 0.5,
+            "push_registration_timeout_seconds": 1.0,
+            "peer_call_timeout_seconds": 0.5,
+            "lease_seconds": 3,
+        }
+        async with (
+            sidecar(tmp_path, "p", fabric, **overrides) as p_side,
+            sidecar(tmp_path, "d", fabric, **overrides) as d_side,
+        ):
+            p, d = gpu_kv(fake, P), gpu_kv(fake, D)
+            await p_side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
+            await d_side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
+            p.fill([1, 2], seed=1)
+            fake.hang = True
+            await push(p_side, d_side, "hung", [1, 2], [3, 4])
+            await _no_event(d_side, D, 4.0)  # past the WRITE's deadline and D's registration watchdog
+            assert _held(p_side)[0] == 1
+            fake.release()
+            failed = await d_side.event(D, timeout=15)
+            assert failed.kind == engine_pb2.LOAD_FAILED, failed
+            assert list(failed.failed_block_ids) == [3, 4]
+            assert _held(p_side) == (0, 0.0)
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_leaving_during_a_hung_copy_keeps_its_memory_open_until_the_copy_completes(
+    tmp_path: Path, fake: FakeCudaDriver
+) -> None:
+    """A DMA cannot be called back: the worker's removal does not close the memory the copy
+    writes into while the copy may still run; it closes it once the copy completed."""
+
+    async def scenario() -> None:
+        async with sidecar(tmp_path, "one", FakeFabric(), transfer_timeout_seconds=0.5) as side:
             p, d = gpu_kv(fake, P), gpu_kv(fake, D)
             await side.register(P, common_pb2.ENGINE_ROLE_PRODUCER, p)
             await side.register(D, common_pb2.ENGINE_ROLE_CONSUMER, d)
@@ -365,8 +437,14 @@ def test_an_engine_leaving_during_a_hung_copy_keeps_its_memory_open_until_the_co
             await asyncio.sleep(0.1)  # the copy is launched and hangs
             worker = side.node.registry.worker(D, 0, 0)
             assert worker is not None
-            await side.node.registrations.remove_worker(worker, "unregistered")
-            assert fake.calls == ["event_abandoned", "close"], fake.calls
+            await side.node.registrations.remove_worker(worker, "unregistered")  # bounded
+            assert "close" not in fake.calls, fake.calls
+            fake.release()
+            for _ in range(200):
+                if "close" in fake.calls:
+                    break
+                await asyncio.sleep(0.025)
+            assert fake.calls == ["event_done", "close"], fake.calls
 
     asyncio.run(scenario())
 
@@ -405,6 +483,7 @@ def _strip(response: peer_pb2.HandshakeResponse, node: str | None) -> peer_pb2.H
     for worker in response.engine.workers:
         if node is None:
             del worker.node_local_exports[:]  # a sidecar older than the field
+            worker.ClearField("staging_pool")  # (and than target-side staging)
         for export in worker.node_local_exports:
             export.node_id = node or ""
     return response
@@ -431,10 +510,13 @@ def test_a_peer_without_node_local_exports_or_on_another_node_is_read_over_nixl(
             await finished(p_side, d_side)
             assert d.blocks([8]) == p.blocks([4])
             # No device copy between the GPUs: NIXL READs into D's pinned host-staging pool (DRAM),
-            # then one batched copy pool -> D's GPU (host_staging.py, the cross-node path).
+            # then one batched copy pool -> D's GPU (host_staging.py, the cross-node path). A
+            # current peer on another node stages its side too: one copy GPU -> its pool, and the
+            # READ comes from there (target_staging.py); an older one is read from its GPU memory.
             (read,) = fabric.transfers
             assert read.op == "READ" and isinstance(read, RunsSpec) and read.local_mem == "DRAM"
-            assert fake.batch_launches == [1]
+            assert read.remote_mem == ("VRAM" if peer == "older" else "DRAM")
+            assert fake.batch_launches == ([1] if peer == "older" else [1, 1])
             assert d_side.node.context.dataplane.peer_memory.open_handles == 0
 
     asyncio.run(scenario())

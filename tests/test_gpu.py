@@ -39,20 +39,25 @@ def _engine(engines, side: SidecarProcess, name: str, role: str, memory: str, **
     return engines(side, name, role, memory=memory, head_size=CHUNK // 4, dtype="float16", **options)
 
 
-def _paths(socket: Path, request: str) -> set[str]:
-    """The ``path=`` of every transfer completion of ``request`` in the trace (both sidecars),
+def _completions(socket: Path, request: str) -> list[str]:
+    """The detail of every transfer completion of ``request`` in the trace (both sidecars),
     asked of the sidecar listening on ``socket``."""
     with engine_channel(socket) as channel:
         response = engine_pb2_grpc.EngineServiceStub(channel).Trace(
             common_pb2.TraceRequest(request_id=request), timeout=10
         )
-    details = [
+    return [
         event.detail
         for part in response.sidecars
         for timeline in part.requests
         for event in timeline.events
         if event.kind == "nixl_completion"
     ]
+
+
+def _paths(socket: Path, request: str) -> set[str]:
+    """The ``path=`` of every transfer completion of ``request`` (``_completions``)."""
+    details = _completions(socket, request)
     return {word.split("=", 1)[1] for detail in details for word in detail.split() if word.startswith("path=")}
 
 
@@ -185,7 +190,9 @@ def test_gpu_kv_outlives_a_killed_sidecar_and_registers_again_with_the_restarted
 
 
 # (mode, P's memory, D's memory): the initiator's engine on the GPU (D pulls, P pushes), the target's
-# in host memory (the staged path end to end) or on the GPU (reached as NIXL reaches it today).
+# in host memory (the staged path end to end) or on the GPU: a pull from it is staged on both ends
+# (the producer's sidecar copies each chunk into its own pinned pool, target_staging.py); a push
+# into it is not staged at the target yet (NIXL on the imported GPU memory, emulated over TCP).
 STAGED = [("pull", "shm", "cuda"), ("push", "cuda", "shm"), ("pull", "cuda", "cuda"), ("push", "cuda", "cuda")]
 
 
@@ -205,3 +212,5 @@ def test_gpu_kv_across_nodes_goes_through_the_sidecars_pinned_host_staging(
         _move(producer, consumer, mode, f"staged-{mode}-{serial}", seed=40 + serial)
     initiator, request_id = (d_side, f"staged-{mode}-1-d") if mode == "pull" else (p_side, f"staged-{mode}-1")
     assert _paths(initiator.socket, request_id) == {"host_staging"}
+    if mode == "pull" and p_memory == "cuda":  # both ends staged: no byte read from imported GPU memory
+        assert all("staged_by_peer=yes" in detail for detail in _completions(d_side.socket, request_id))

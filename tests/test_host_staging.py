@@ -26,7 +26,7 @@ from sidecar.dataplane.plan.stage_chunks import cut
 from sidecar.dataplane.plane import DataPlane
 from tests.support.fake_cuda import FakeCudaDriver
 from tests.support.fake_transport import FakeFabric
-from tests.support.staging_peer import CASES, STAGING, peer_memory, run_pair
+from tests.support.staging_peer import CASES, HANG_RELEASE_S, STAGING, TARGET_CASES, peer_memory, run_pair
 
 LOOPBACK_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
@@ -170,9 +170,16 @@ def test_staged_pulls_and_pushes_over_nixl_tcp_move_every_byte_and_a_stuck_copy_
     tmp_path: Path,
 ) -> None:
     with peer_memory(tmp_path, seed=11):
-        run_pair(tmp_path, ["initiator", *CASES], LOOPBACK_TCP, timeout=240)
+        # pull-gpu first: the target snapshots P into its fake GPU at start, and the pushes write P
+        run_pair(tmp_path, ["initiator", *TARGET_CASES, *CASES], LOOPBACK_TCP, timeout=240)
     results = json.loads((tmp_path / "results.json").read_text())
     check_staged_results(results)
+    # Target-side staging: the peer's KV in its (fake) GPU memory, its agent registering only its
+    # pinned pool: every byte went GPU -> the peer's pool -> NIXL READ -> our pool -> our GPU.
+    gpu = results["pull-gpu"]
+    assert gpu["ok"] and gpu["equal"] and gpu["notifications"] == 1, gpu
+    assert gpu["launches"] == [1] * -(-gpu["bytes"] // STAGING.chunk_bytes), gpu["launches"]
+    assert gpu["observed"] == [["READ", "host_staging", gpu["bytes"]]], gpu["observed"]
 
 
 def check_staged_results(results: dict) -> None:
@@ -189,8 +196,14 @@ def check_staged_results(results: dict) -> None:
         (completion,) = [step for step in result["steps"] if step["kind"] == "nixl_completion"]
         assert "path=host_staging" in completion["detail"], completion
         assert completion["measured"]["copy_transfer"] > 0
+        # The transfer metrics count the staged transfer once, whole (not its chunks' NIXL posts).
+        assert result["observed"] == [[result["op"], "host_staging", result["bytes"]]], (case, result["observed"])
     hang = results["pull-hang"]
     assert not hang["ok"] and "did not complete within its deadline" in hang["error"], hang["error"]
     assert "GPU copy" in hang["error"] and hang["notifications"] == 0
-    assert 1.4 < hang["elapsed_s"] < 10, hang["elapsed_s"]  # ends at its 1.5 s deadline, not later
-    assert hang["held_slots"] >= 1  # the slot the stuck copy may still write is not lent again
+    # The stuck copy writes the engine's blocks: past the 1.5 s deadline the failure is held until
+    # the copy completes (released at HANG_RELEASE_S), then reported; its slot is free again.
+    assert hang["copies_held_before_release"] >= 1, hang
+    assert HANG_RELEASE_S <= hang["elapsed_s"] < HANG_RELEASE_S + 6, hang["elapsed_s"]
+    assert "engine's blocks were held until then" in hang["error"], hang["error"]
+    assert hang["copies_held_after"] == 0 and hang["held_slots"] == 0, hang

@@ -3,6 +3,7 @@ when prefill ends, in either order; failures reach the waiting side explicitly."
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import time
@@ -336,8 +337,16 @@ def test_a_draining_producer_sidecar_serves_blocks_it_holds_then_exits(sidecars,
     assert producer.command("submit", request_id="drain-p", blocks=[[3, 4, 5]], **submit)["ok"]
     assert p_side.process is not None
     p_side.process.send_signal(signal.SIGTERM)
-    wait_until(lambda: not producer.command("submit", request_id="late", blocks=[[6]])["ok"], 10, 0.05, "draining")
-    refused = producer.command("submit", request_id="late-2", blocks=[[7]])
+    # A fresh id per try: a re-submit of a request already held is a lease extension, answered OK
+    # even while draining, so one "late" accepted before the signal landed would never be refused.
+    tries = itertools.count()
+
+    def refused_for_draining() -> bool:
+        reply = producer.command("submit", request_id=f"late-{next(tries)}", blocks=[[6]])
+        return not reply["ok"] and "draining" in reply.get("error", "")
+
+    wait_until(refused_for_draining, 10, 0.05, "draining")
+    refused = producer.command("submit", request_id="late-refused", blocks=[[7]])
     assert not refused["ok"] and "draining" in refused["error"], refused
     if mode == "push":
         assert expect(consumer, producer, "drain-d", [10, 11, 12], transfer_id="t-drain")["registered"]

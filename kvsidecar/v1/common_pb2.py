@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\"\x1a\n\x0b\x42lockIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0fGroupedBlockIds\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.BlockIdList\"\\\n\x0bVersionInfo\x12\x11\n\tkvsidecar\x18\x01 \x01(\t\x12\x0c\n\x04nixl\x18\x02 \x01(\t\x12\x0c\n\x04vllm\x18\x03 \x01(\t\x12\x0c\n\x04grpc\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\r\"\x87\x01\n\x0bSidecarInfo\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12+\n\x08versions\x18\x03 \x01(\x0b\x32\x19.kvsidecar.v1.VersionInfo\x12\x14\n\x0c\x63lock_unix_s\x18\x04 \x01(\x01\x12\x10\n\x08hostname\x18\x05 \x01(\t\"\xd0\x01\n\nKvGeometry\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12#\n\x1bphysical_blocks_per_logical\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x1a\n\x12total_num_kv_heads\x18\x06 \x01(\r\x12\x0e\n\x06is_mla\x18\x07 \x01(\x08\x12\x11\n\thead_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\"]\n\x0cTraceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\x12\x10\n\x08\x61lso_ids\x18\x04 \x03(\t\"\xbb\x01\n\nTraceEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06unix_s\x18\x02 \x01(\x01\x12\x10\n\x08offset_s\x18\x03 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12;\n\nmeasured_s\x18\x05 \x03(\x0b\x32\'.kvsidecar.v1.TraceEvent.MeasuredSEntry\x1a\x30\n\x0eMeasuredSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\x0fRequestTimeline\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x0c\n\x04side\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12(\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.TraceEvent\x12\x16\n\x0e\x64ropped_events\x18\x07 \x01(\r\x12\r\n\x05peers\x18\x08 \x03(\t\x12\x11\n\tother_ids\x18\t \x03(\t\"\x93\x01\n\x0cSidecarTrace\x12*\n\x07sidecar\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.kvsidecar.v1.RequestTimeline\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63lock_offset_ms\x18\x04 \x01(\x01\"=\n\rTraceResponse\x12,\n\x08sidecars\x18\x01 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarTrace*s\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_ROLE_PRODUCER\x10\x01\x12\x18\n\x14\x45NGINE_ROLE_CONSUMER\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x01\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x02\x42\x1cP\x01Z\x18kvsidecar/v1;kvsidecarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvsidecar/v1/common.proto\x12\x0ckvsidecar.v1\"\x1a\n\x0b\x42lockIdList\x12\x0b\n\x03ids\x18\x01 \x03(\r\"<\n\x0fGroupedBlockIds\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.kvsidecar.v1.BlockIdList\"n\n\x0bVersionInfo\x12\x11\n\tkvsidecar\x18\x01 \x01(\t\x12\x0c\n\x04nixl\x18\x02 \x01(\t\x12\x0c\n\x04vllm\x18\x03 \x01(\t\x12\x0c\n\x04grpc\x18\x04 \x01(\t\x12\x10\n\x08protocol\x18\x05 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x03(\t\"\x87\x01\n\x0bSidecarInfo\x12\x12\n\nsidecar_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12+\n\x08versions\x18\x03 \x01(\x0b\x32\x19.kvsidecar.v1.VersionInfo\x12\x14\n\x0c\x63lock_unix_s\x18\x04 \x01(\x01\x12\x10\n\x08hostname\x18\x05 \x01(\t\"\xd0\x01\n\nKvGeometry\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12#\n\x1bphysical_blocks_per_logical\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x1a\n\x12total_num_kv_heads\x18\x06 \x01(\r\x12\x0e\n\x06is_mla\x18\x07 \x01(\x08\x12\x11\n\thead_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\"]\n\x0cTraceRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nlocal_only\x18\x03 \x01(\x08\x12\x10\n\x08\x61lso_ids\x18\x04 \x03(\t\"\xbb\x01\n\nTraceEvent\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06unix_s\x18\x02 \x01(\x01\x12\x10\n\x08offset_s\x18\x03 \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12;\n\nmeasured_s\x18\x05 \x03(\x0b\x32\'.kvsidecar.v1.TraceEvent.MeasuredSEntry\x1a\x30\n\x0eMeasuredSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xcd\x01\n\x0fRequestTimeline\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x0c\n\x04side\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12(\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x18.kvsidecar.v1.TraceEvent\x12\x16\n\x0e\x64ropped_events\x18\x07 \x01(\r\x12\r\n\x05peers\x18\x08 \x03(\t\x12\x11\n\tother_ids\x18\t \x03(\t\"\x93\x01\n\x0cSidecarTrace\x12*\n\x07sidecar\x18\x01 \x01(\x0b\x32\x19.kvsidecar.v1.SidecarInfo\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.kvsidecar.v1.RequestTimeline\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x17\n\x0f\x63lock_offset_ms\x18\x04 \x01(\x01\"=\n\rTraceResponse\x12,\n\x08sidecars\x18\x01 \x03(\x0b\x32\x1a.kvsidecar.v1.SidecarTrace*s\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_ROLE_PRODUCER\x10\x01\x12\x18\n\x14\x45NGINE_ROLE_CONSUMER\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*]\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12TRANSFER_MODE_PULL\x10\x01\x12\x16\n\x12TRANSFER_MODE_PUSH\x10\x02\x42\x1cP\x01Z\x18kvsidecar/v1;kvsidecarv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'P\001Z\030kvsidecar/v1;kvsidecarv1'
   _globals['_TRACEEVENT_MEASUREDSENTRY']._loaded_options = None
   _globals['_TRACEEVENT_MEASUREDSENTRY']._serialized_options = b'8\001'
-  _globals['_ENGINEROLE']._serialized_start=1282
-  _globals['_ENGINEROLE']._serialized_end=1397
-  _globals['_MEMORYKIND']._serialized_start=1399
-  _globals['_MEMORYKIND']._serialized_end=1484
-  _globals['_TRANSFERMODE']._serialized_start=1486
-  _globals['_TRANSFERMODE']._serialized_end=1579
+  _globals['_ENGINEROLE']._serialized_start=1300
+  _globals['_ENGINEROLE']._serialized_end=1415
+  _globals['_MEMORYKIND']._serialized_start=1417
+  _globals['_MEMORYKIND']._serialized_end=1502
+  _globals['_TRANSFERMODE']._serialized_start=1504
+  _globals['_TRANSFERMODE']._serialized_end=1597
   _globals['_BLOCKIDLIST']._serialized_start=43
   _globals['_BLOCKIDLIST']._serialized_end=69
   _globals['_GROUPEDBLOCKIDS']._serialized_start=71
   _globals['_GROUPEDBLOCKIDS']._serialized_end=131
   _globals['_VERSIONINFO']._serialized_start=133
-  _globals['_VERSIONINFO']._serialized_end=225
-  _globals['_SIDECARINFO']._serialized_start=228
-  _globals['_SIDECARINFO']._serialized_end=363
-  _globals['_KVGEOMETRY']._serialized_start=366
-  _globals['_KVGEOMETRY']._serialized_end=574
-  _globals['_TRACEREQUEST']._serialized_start=576
-  _globals['_TRACEREQUEST']._serialized_end=669
-  _globals['_TRACEEVENT']._serialized_start=672
-  _globals['_TRACEEVENT']._serialized_end=859
-  _globals['_TRACEEVENT_MEASUREDSENTRY']._serialized_start=811
-  _globals['_TRACEEVENT_MEASUREDSENTRY']._serialized_end=859
-  _globals['_REQUESTTIMELINE']._serialized_start=862
-  _globals['_REQUESTTIMELINE']._serialized_end=1067
-  _globals['_SIDECARTRACE']._serialized_start=1070
-  _globals['_SIDECARTRACE']._serialized_end=1217
-  _globals['_TRACERESPONSE']._serialized_start=1219
-  _globals['_TRACERESPONSE']._serialized_end=1280
+  _globals['_VERSIONINFO']._serialized_end=243
+  _globals['_SIDECARINFO']._serialized_start=246
+  _globals['_SIDECARINFO']._serialized_end=381
+  _globals['_KVGEOMETRY']._serialized_start=384
+  _globals['_KVGEOMETRY']._serialized_end=592
+  _globals['_TRACEREQUEST']._serialized_start=594
+  _globals['_TRACEREQUEST']._serialized_end=687
+  _globals['_TRACEEVENT']._serialized_start=690
+  _globals['_TRACEEVENT']._serialized_end=877
+  _globals['_TRACEEVENT_MEASUREDSENTRY']._serialized_start=829
+  _globals['_TRACEEVENT_MEASUREDSENTRY']._serialized_end=877
+  _globals['_REQUESTTIMELINE']._serialized_start=880
+  _globals['_REQUESTTIMELINE']._serialized_end=1085
+  _globals['_SIDECARTRACE']._serialized_start=1088
+  _globals['_SIDECARTRACE']._serialized_end=1235
+  _globals['_TRACERESPONSE']._serialized_start=1237
+  _globals['_TRACERESPONSE']._serialized_end=1298
 # @@protoc_insertion_point(module_scope)

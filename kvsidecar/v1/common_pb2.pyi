@@ -49,18 +49,20 @@ class GroupedBlockIds(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[BlockIdList, _Mapping]]] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("kvsidecar", "nixl", "vllm", "grpc", "protocol")
+    __slots__ = ("kvsidecar", "nixl", "vllm", "grpc", "protocol", "features")
     KVSIDECAR_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     VLLM_FIELD_NUMBER: _ClassVar[int]
     GRPC_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     kvsidecar: str
     nixl: str
     vllm: str
     grpc: str
     protocol: int
-    def __init__(self, kvsidecar: _Optional[str] = ..., nixl: _Optional[str] = ..., vllm: _Optional[str] = ..., grpc: _Optional[str] = ..., protocol: _Optional[int] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kvsidecar: _Optional[str] = ..., nixl: _Optional[str] = ..., vllm: _Optional[str] = ..., grpc: _Optional[str] = ..., protocol: _Optional[int] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SidecarInfo(_message.Message):
     __slots__ = ("sidecar_id", "address", "versions", "clock_unix_s", "hostname")

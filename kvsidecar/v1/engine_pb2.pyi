@@ -421,7 +421,7 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.EngineRole, str]] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., complete: _Optional[bool] = ..., compatibility_hash: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
-    __slots__ = ("address", "sidecar_id", "engine_ids", "last_seen_seconds_ago", "handshake_ms", "clock_offset_ms", "consecutive_failures")
+    __slots__ = ("address", "sidecar_id", "engine_ids", "last_seen_seconds_ago", "handshake_ms", "clock_offset_ms", "consecutive_failures", "versions")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -429,6 +429,7 @@ class PeerStatus(_message.Message):
     HANDSHAKE_MS_FIELD_NUMBER: _ClassVar[int]
     CLOCK_OFFSET_MS_FIELD_NUMBER: _ClassVar[int]
     CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     address: str
     sidecar_id: str
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -436,7 +437,8 @@ class PeerStatus(_message.Message):
     handshake_ms: float
     clock_offset_ms: float
     consecutive_failures: int
-    def __init__(self, address: _Optional[str] = ..., sidecar_id: _Optional[str] = ..., engine_ids: _Optional[_Iterable[str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., handshake_ms: _Optional[float] = ..., clock_offset_ms: _Optional[float] = ..., consecutive_failures: _Optional[int] = ...) -> None: ...
+    versions: _common_pb2.VersionInfo
+    def __init__(self, address: _Optional[str] = ..., sidecar_id: _Optional[str] = ..., engine_ids: _Optional[_Iterable[str]] = ..., last_seen_seconds_ago: _Optional[float] = ..., handshake_ms: _Optional[float] = ..., clock_offset_ms: _Optional[float] = ..., consecutive_failures: _Optional[int] = ..., versions: _Optional[_Union[_common_pb2.VersionInfo, _Mapping]] = ...) -> None: ...
 
 class RequestStatus(_message.Message):
     __slots__ = ("engine_id", "request_id", "transfer_id", "side", "mode", "state", "deadline_in_seconds", "num_blocks")

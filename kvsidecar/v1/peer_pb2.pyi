@@ -61,7 +61,7 @@ class RemoteRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., base_address: _Optional[int] = ..., block_len: _Optional[int] = ..., block_stride: _Optional[int] = ..., group_id: _Optional[int] = ..., kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class WorkerDescriptor(_message.Message):
-    __slots__ = ("tp_rank", "pp_rank", "agent_name", "agent_metadata", "regions", "geometry", "node_local_exports")
+    __slots__ = ("tp_rank", "pp_rank", "agent_name", "agent_metadata", "regions", "geometry", "node_local_exports", "staging_pool")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class WorkerDescriptor(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NODE_LOCAL_EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_POOL_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     pp_rank: int
     agent_name: str
@@ -76,7 +77,44 @@ class WorkerDescriptor(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
     geometry: _common_pb2.KvGeometry
     node_local_exports: _containers.RepeatedCompositeFieldContainer[NodeLocalExport]
-    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., node_local_exports: _Optional[_Iterable[_Union[NodeLocalExport, _Mapping]]] = ...) -> None: ...
+    staging_pool: StagingPool
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., node_local_exports: _Optional[_Iterable[_Union[NodeLocalExport, _Mapping]]] = ..., staging_pool: _Optional[_Union[StagingPool, _Mapping]] = ...) -> None: ...
+
+class StagingPool(_message.Message):
+    __slots__ = ("address", "length", "chunk_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    length: int
+    chunk_bytes: int
+    def __init__(self, address: _Optional[int] = ..., length: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class StageRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "transfer_id", "agent_name", "rows", "timeout_seconds", "done_slots")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    transfer_id: str
+    agent_name: str
+    rows: bytes
+    timeout_seconds: float
+    done_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., rows: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., done_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageResponse(_message.Message):
+    __slots__ = ("slot", "address")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    address: int
+    def __init__(self, slot: _Optional[int] = ..., address: _Optional[int] = ...) -> None: ...
 
 class NodeLocalExport(_message.Message):
     __slots__ = ("cuda_ipc_handle", "offset", "length", "address", "gpu_uuid", "node_id")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from kvsidecar.v1 import common_pb2 as kvsidecar_dot_v1_dot_common__pb2
+from kvsidecar.v1 import engine_pb2 as kvsidecar_dot_v1_dot_engine__pb2
 from kvsidecar.v1 import peer_pb2 as kvsidecar_dot_v1_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -74,6 +75,16 @@ class PeerServiceStub:
                 '/kvsidecar.v1.PeerService/Trace',
                 request_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
                 response_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
+                _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/kvsidecar.v1.PeerService/Stream',
+                request_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
+                _registered_method=True)
+        self.Stage = channel.unary_unary(
+                '/kvsidecar.v1.PeerService/Stage',
+                request_serializer=kvsidecar_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+                response_deserializer=kvsidecar_dot_v1_dot_peer__pb2.StageResponse.FromString,
                 _registered_method=True)
 
 
@@ -147,6 +158,33 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """The peer stream: the caller's unary calls to this sidecar (PushReg, Heartbeat, TransferFailed,
+        Release; not Handshake) and their answers on one long-lived stream, several per message when
+        several are ready; each direction between two sidecars has its own (the caller opens it). The
+        same messages as EngineService.Session: a SessionCall names the unary method and carries its
+        serialized request; its SessionAnswer carries what the unary call would have returned (status
+        code, message, serialized response). Each call runs the unary RPC's own handler, with this
+        stream's certificate identity (mTLS), bounded by its timeout_seconds. The first message is an
+        empty SessionAnswers. The unary RPCs stay; a sidecar without this RPC answers UNIMPLEMENTED,
+        and its callers use the unary RPCs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stage(self, request, context):
+        """Target-side host staging (a peer whose worker advertises `staging_pool`): copy some of the
+        worker's GPU memory (a chunk of a leased request) into a slot of this sidecar's pinned pool
+        for the caller to READ over NIXL; the slot is lent until `timeout_seconds` or until a later
+        call names it in `done_slots`. NOT_FOUND: the request is not held here; DEADLINE_EXCEEDED:
+        no slot or the copy did not complete in time; INVALID_ARGUMENT: rows outside the worker's
+        memory or the slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +227,16 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Trace,
                     request_deserializer=kvsidecar_dot_v1_dot_common__pb2.TraceRequest.FromString,
                     response_serializer=kvsidecar_dot_v1_dot_common__pb2.TraceResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.SerializeToString,
+            ),
+            'Stage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stage,
+                    request_deserializer=kvsidecar_dot_v1_dot_peer__pb2.StageRequest.FromString,
+                    response_serializer=kvsidecar_dot_v1_dot_peer__pb2.StageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +455,60 @@ class PeerService:
             '/kvsidecar.v1.PeerService/Trace',
             kvsidecar_dot_v1_dot_common__pb2.TraceRequest.SerializeToString,
             kvsidecar_dot_v1_dot_common__pb2.TraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvsidecar.v1.PeerService/Stream',
+            kvsidecar_dot_v1_dot_engine__pb2.SessionCalls.SerializeToString,
+            kvsidecar_dot_v1_dot_engine__pb2.SessionAnswers.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvsidecar.v1.PeerService/Stage',
+            kvsidecar_dot_v1_dot_peer__pb2.StageRequest.SerializeToString,
+            kvsidecar_dot_v1_dot_peer__pb2.StageResponse.FromString,
             options,
             channel_credentials,
             insecure,

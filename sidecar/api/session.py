@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
 from kvsidecar.v1 import engine_pb2
@@ -74,12 +75,22 @@ class SessionDispatcher:
     """Maps each call of a Session stream to its unary handler and answers it (see module doc)."""
 
     def __init__(
-        self, servicer: Any, interceptor: CallInterceptor, draining: Callable[[], bool] = lambda: False
+        self,
+        servicer: Any,
+        interceptor: CallInterceptor,
+        draining: Callable[[], bool] = lambda: False,
+        service: ServiceDescriptor = SERVICE,
+        methods: Collection[str] | None = None,
     ) -> None:
+        """``service``'s unary ``methods`` (all by default), each as ``servicer`` answers it (the
+        peer stream, ``api.peer``, serves PeerService's this way)."""
         self._draining = draining
+        self._service = service.name
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
-        for method in SERVICE.methods:
+        for method in service.methods:
             if method.client_streaming or method.server_streaming:
+                continue
+            if methods is not None and method.name not in methods:
                 continue
             request_class = GetMessageClass(method.input_type)
             response_class = GetMessageClass(method.output_type)
@@ -88,7 +99,7 @@ class SessionDispatcher:
                 request_deserializer=request_class.FromString,
                 response_serializer=response_class.SerializeToString,
             )
-            self._handlers[method.name] = interceptor.wrap(plain, f"/{SERVICE.full_name}/{method.name}")
+            self._handlers[method.name] = interceptor.wrap(plain, f"/{service.full_name}/{method.name}")
         self._open: set[_Stream] = set()
         self._drain_watch: asyncio.Task[None] | None = None
 
@@ -152,7 +163,7 @@ class SessionDispatcher:
         handler = self._handlers.get(call.method)
         if handler is None:
             answer.code = grpc.StatusCode.UNIMPLEMENTED.value[0]
-            answer.message = f"{call.method[:100]!r} is not a unary EngineService method"
+            answer.message = f"{call.method[:100]!r} is not a unary {self._service} method of this stream"
             log.info("session_call_unknown", method=call.method[:100])
             stream.answers.put_nowait(answer)
             return

@@ -1,4 +1,5 @@
-"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``token``, ``demo``, ``bench``.
+"""The ``kvsidecar`` command: ``serve`` (the daemon), ``status``, ``token``, ``demo``, ``bench``,
+``selftest`` (two nodes proved from one).
 
 Subcommands import their heavy modules lazily, so ``kvsidecar status`` starts fast.
 """
@@ -108,7 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
             value = getattr(args, flag.lstrip("-").replace("-", "_"))
             if value is not None:
                 overrides[setting] = value
-        settings = load_settings(overrides, args.config)
+        flags = {setting: flag for flag, (setting, _, _) in _SERVE_FLAGS.items()}
+        settings = load_settings(overrides, args.config, flags)
         _check_backends(settings.nixl.backends)
     except ConfigError as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
@@ -251,6 +253,41 @@ def _bench(args: argparse.Namespace) -> int:
     return main_bench(args.json, args.png, args.quick, [name for name in args.only.split(",") if name])
 
 
+def _add_selftest(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "selftest",
+        help="prove two nodes: move verified KV both ways through this node's sidecar and a peer's",
+        description="Against the sidecar of another node (its peer address): start a test engine on this node's "
+        "sidecar, have the peer's sidecar host one, move KV both ways in pull and push mode, verify every token, "
+        "and print GB/s and latency per case, or the precise reason it cannot. Uses this node's settings (engine "
+        "socket, peer mTLS files) like `kvsidecar serve`. Exit status 0 only if every case passed.",
+    )
+    parser.add_argument("--peer", required=True, help="HOST:PORT of the other node's sidecar (its peer address)")
+    parser.add_argument("--config", type=Path, help="TOML settings file (also $KVSIDECAR_CONFIG)")
+    parser.add_argument("--socket", type=Path, default=None, help="this node's engine socket (default: settings)")
+    parser.add_argument("--requests", type=int, default=5, help="requests per case (default 5)")
+    parser.add_argument("--blocks", type=int, default=16, help="blocks per request (default 16)")
+    parser.add_argument("--block-kib", type=int, default=256, help="KiB per block and layer (default 256; 2 layers)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the peer per call")
+    parser.set_defaults(func=_selftest)
+
+
+def _selftest(args: argparse.Namespace) -> int:
+    from sidecar.config import split_host_port
+
+    try:
+        split_host_port(args.peer, "--peer")
+    except ValueError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return 2
+    if args.requests < 1 or args.blocks < 1 or not 1 <= args.block_kib <= 16384:
+        print("kvsidecar: need --requests >= 1, --blocks >= 1 and 1 <= --block-kib <= 16384", file=sys.stderr)
+        return 2
+    from sidecar.tools.selftest import main_selftest
+
+    return main_selftest(args.peer, args.requests, args.blocks, args.block_kib, args.timeout, args.socket, args.config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsidecar", description="KV-cache transport sidecar for disaggregated LLM serving"
@@ -262,11 +299,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_token(subparsers)
     _add_demo(subparsers)
     _add_bench(subparsers)
+    _add_selftest(subparsers)
     return parser
 
 
+def _unknown_flag_hint(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """``unrecognized arguments`` plus the real flag or ``--set`` a mistyped one most resembles."""
+    import difflib
+
+    from sidecar.config import setting_names
+
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flag = next((item.partition("=")[0] for item in unknown if item.startswith("--")), None)
+    if flag is None:
+        return message
+    name = flag[2:].replace("-", "_")
+    close_flag = difflib.get_close_matches(flag, [*_SERVE_FLAGS, "--config", "--set", "--parent-pid"], n=1, cutoff=0.75)
+    close_setting = difflib.get_close_matches(name, setting_names(), n=1, cutoff=0.75)
+    if close_setting and close_setting[0] == name:  # a setting without a flag of its own
+        return f"{message} (no flag {flag}; use --set {name}=VALUE)"
+    if close_flag:
+        return f"{message} (did you mean {close_flag[0]}?)"
+    if close_setting:
+        return f"{message} (did you mean --set {close_setting[0]}=VALUE?)"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(_unknown_flag_hint(parser, unknown))
     result: int = args.func(args)
     return result
 

@@ -32,13 +32,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2_grpc
+from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2_grpc, selftest_pb2, selftest_pb2_grpc
 from sidecar import __version__
 from sidecar.api.engine import EngineServicer
 from sidecar.api.engine_auth import PEER_SERVICE, CredentialSocket, SessionTokens, TokenInterceptor
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.peer import PeerServicer
 from sidecar.app.liveness import LivenessMonitor
+from sidecar.app.selftest_host import SelfTestServicer, TestEngineHost
 from sidecar.app.systemd import SystemdNotifier
 from sidecar.config import Settings, split_host_port
 from sidecar.core.node import Node
@@ -50,6 +51,7 @@ log = get_logger("kvsidecar.server")
 _PR_SET_PDEATHSIG = 1
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+SELFTEST_SERVICE = selftest_pb2.DESCRIPTOR.services_by_name["SelfTestService"].full_name
 
 
 def _server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -98,6 +100,7 @@ class SidecarServer:
         self._socket_path = Path(settings.engine_socket)
         self._owns_socket = False
         self._credentials: CredentialSocket | None = None
+        self._selftest: TestEngineHost | None = None
 
     async def start(self) -> None:
         settings = self.settings
@@ -114,7 +117,9 @@ class SidecarServer:
         engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(node), self.engine_server)
         # PeerService on the local socket too, so one `grpcurl -unix ... list` shows the whole API;
         # EngineService is never exposed on the peer port.
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node.routes), self.engine_server)
+        # One PeerService servicer for both servers; its open peer streams end when the node stops.
+        peer_servicer = PeerServicer(node.routes, interceptor, lambda: node.peers.closed)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(peer_servicer, self.engine_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.engine_health, self.engine_server)
         reflection.enable_server_reflection(
             [ENGINE_SERVICE, PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.engine_server
@@ -133,10 +138,13 @@ class SidecarServer:
 
         # Peer server: TCP, mTLS when configured.
         self.peer_server = grpc.aio.server(interceptors=[interceptor], options=_server_options(settings))
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(node.routes), self.peer_server)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(peer_servicer, self.peer_server)
+        # The far side of `kvsidecar selftest` (sidecar.app.selftest_host): hosts one test engine.
+        self._selftest = TestEngineHost(settings, node.identity.info)
+        selftest_pb2_grpc.add_SelfTestServiceServicer_to_server(SelfTestServicer(self._selftest), self.peer_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.peer_health, self.peer_server)
         reflection.enable_server_reflection(
-            [PEER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
+            [PEER_SERVICE, SELFTEST_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.peer_server
         )
         if settings.peer_tls_cert and settings.peer_tls_key and settings.peer_tls_ca:
             # Re-reads the files when they change: rotated certificates need no restart (sidecar.tls).
@@ -213,9 +221,20 @@ class SidecarServer:
             self._liveness_task.cancel()
         await self.engine_health.enter_graceful_shutdown()
         await self.peer_health.enter_graceful_shutdown()
+        if self._selftest is not None:
+            await self._selftest.close()
         if self.node is not None:
             # Keep most of the grace for transfers; the rest is for closing servers.
+            started = time.monotonic()
             await self.node.drain(max(0.0, grace * 0.7))
+            # What the bound cut off is failed or handed back by stop(): the operator sees how much.
+            log.info(
+                "sidecar_drained",
+                seconds=round(time.monotonic() - started, 3),
+                running=len(self.node.tasks),
+                receiving=len(self.node.consumer.requests),
+                awaiting_consumers=self.node.producer.awaiting_consumers(),
+            )
             await self.node.stop()
         remaining = max(0.1, deadline - time.monotonic())
         servers = [server for server in (self.engine_server, self.peer_server) if server is not None]

@@ -63,6 +63,7 @@ from sidecar.dataplane.plan.layout import BlockIds, PlanError
 from sidecar.dataplane.plane import EngineView, LocalWorker, TransferJob
 from sidecar.errors import (
     DeadlineExceeded,
+    Draining,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
@@ -314,12 +315,13 @@ class ConsumerSide:
         try:
             matched = await self._register_push(pending, engine, timeout)
         except (SidecarError, PlanError) as exc:
-            if isinstance(exc, (DeadlineExceeded, Unavailable)) and pending.push_reg_sent:
+            unsure = isinstance(exc, (DeadlineExceeded, Unavailable)) and not isinstance(exc, Draining)
+            if unsure and pending.push_reg_sent:
                 # The PushReg may have reached a producer that is only slow (or stopped), or whose
                 # answer was lost with the connection: it could still write, though (a producer of
                 # this version) not past the write_by it carried, clocks within the allowance, + a
                 # WRITE's bound (as ours, unknown without its answer). The fence's checks withdraw
-                # the registration there.
+                # the registration there. A draining producer's refusal registered nothing.
                 pending.writes_quiet_at = pending.push_deadline + self._ctx.settings.transfer_timeout_seconds
                 self._fail_fenced(pending, f"push registration failed: {exc}", "push_registration")
             else:
@@ -708,7 +710,7 @@ class ConsumerSide:
                 continue
             if pending.cancelling:
                 why = pending.cancel_reason or "push did not finish after cancellation"
-                self._fail_fenced(pending, f"{why}; the producer's WRITEs did not end in time", "timeout")
+                self._ctx.tasks.spawn(self._still_writing(pending, why), engines=[])
                 continue
             pending.cancelling = True
             self._ctx.tasks.spawn(
@@ -740,6 +742,29 @@ class ConsumerSide:
             self.watchdogs.set(pending.key, time.monotonic() + grace)
         else:
             self._fail(pending, why, reason_label=label)
+
+    async def _still_writing(self, pending: ConsumerRequest, why: str) -> None:
+        """The grace after a cancellation passed: ask the producer once more. A producer that is
+        alive and still has a WRITE in flight (a device copy into our GPU memory held until the
+        GPU completes it, ``device_copy.LateCopies``) keeps our blocks for another grace; one
+        that does not answer, or whose WRITEs are over, ends the request as before."""
+        in_flight = await self._ask_producer(pending, consumed=False, reason=why)
+        if self.requests.get(pending.key) is not pending:
+            return
+        if in_flight:
+            settings = self._ctx.settings
+            log.warning(
+                "push_still_in_flight",
+                engine_id=pending.engine_id,
+                request_id=pending.request_id,
+                peer=pending.remote.address,
+                why="the producer says a WRITE of it is still in flight: the blocks stay held",
+            )
+            self.watchdogs.set(
+                pending.key, time.monotonic() + settings.transfer_timeout_seconds + settings.peer_call_timeout_seconds
+            )
+        else:
+            self._fail_fenced(pending, f"{why}; the producer's WRITEs did not end in time", "timeout")
 
     def _fail_fenced(self, pending: ConsumerRequest, reason: str, label: str) -> None:
         """LOAD_FAILED for a push whose producer may still write: fence the blocks' pages first; on

@@ -19,14 +19,14 @@ from typing import Any
 import grpc
 
 from kvsidecar.v1 import common_pb2
-from sidecar import PROTOCOL_VERSION, __version__
+from sidecar import FEATURES, PROTOCOL_VERSION, __version__
 from sidecar.config import Settings
 from sidecar.core.events import WorkerEvents
 from sidecar.core.registry import Registry
 from sidecar.core.trace import TraceRecorder
 from sidecar.dataplane.contract import Transport
 from sidecar.dataplane.plane import DataPlane
-from sidecar.errors import ResourceExhausted, Unavailable
+from sidecar.errors import DRAINING, Draining, ResourceExhausted
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.client import PeerClient
@@ -55,6 +55,7 @@ class Identity:
                 vllm=self._registry.engine_versions(),
                 grpc=grpc.__version__,
                 protocol=PROTOCOL_VERSION,
+                features=FEATURES,
             ),
             clock_unix_s=time.time(),
             hostname=socket.gethostname(),
@@ -97,7 +98,7 @@ class Tasks:
     def check_capacity(self, current: int) -> None:
         """Refuse new work while draining, or past ``max_pending_requests``."""
         if self.draining:
-            raise Unavailable("the sidecar is draining for shutdown")
+            raise Draining(DRAINING)
         if current >= self._settings.max_pending_requests:
             raise ResourceExhausted(
                 f"{current} requests are pending, the limit is {self._settings.max_pending_requests}"

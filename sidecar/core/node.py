@@ -42,6 +42,7 @@ from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
 from sidecar.core.stages import mode_of, stage_durations
+from sidecar.core.staging import StageRoute
 from sidecar.core.trace import Timeline, TraceRecorder, Tracing
 from sidecar.dataplane.contract import TransferResult, Transport, TransportFactory
 from sidecar.dataplane.host_staging import HostStaging
@@ -84,6 +85,7 @@ class Node:
                 settings.staging_below_bytes,
                 self._on_notifications,
                 host_staging=HostStaging(self.transport, settings.host_staging),
+                on_xfer_done=self._on_xfer_done,
             ),
             transport=self.transport,
             metrics=self.metrics,
@@ -91,6 +93,11 @@ class Node:
             tasks=self.tasks,
             trace=TraceRecorder(settings.trace_requests, on_done=self._observe_stages),
         )
+        late = self.context.dataplane.late_copies
+        self.metrics.device_copies_held.set_function(lambda: late.copies)
+        self.metrics.device_copy_held_bytes.set_function(lambda: late.bytes)
+        lent = self.context.dataplane.staging_server
+        self.metrics.staging_slots_lent.set_function(lambda: lent.lent_slots if lent is not None else 0)
         self.registrations = Registrations(
             self.context, MemoryImporter(settings.shm_dirs, settings.nixl.populate_mappings)
         )
@@ -112,8 +119,10 @@ class Node:
             release=self.producer.handle_release,
             get_digests=self.producer.handle_get_digests,
             trace=self.tracing.query,
+            stage=StageRoute(self.context, self.producer).handle,
             local_engine_view=self.handshakes.local_engine_view,
         )
+        self.context.dataplane.stage_remote = self.peers.stage
         self.peers.bind_local(self.routes)
 
     @property
@@ -241,14 +250,16 @@ class Node:
                 )
             child.observe(seconds)
 
-    def _on_xfer_done(self, op: str, result: TransferResult) -> None:
-        # Runs on the transport thread; prometheus_client metrics are thread-safe.
+    def _on_xfer_done(self, op: str, result: TransferResult, path: str = "nixl") -> None:
+        # Runs on the transport thread (or the loop, for the data plane's own paths);
+        # prometheus_client metrics are thread-safe.
         if result.ok:
-            self.metrics.xfer_duration.labels(op=op).observe(result.duration_s)
-            self.metrics.xfer_post.labels(op=op).observe(result.post_s)
-            self.metrics.xfer_bytes.labels(op=op).inc(result.bytes)
-            self.metrics.xfer_request_bytes.labels(op=op).observe(result.bytes)
-            self.metrics.xfer_descriptors.labels(op=op).observe(result.descriptors)
+            metrics = self.metrics
+            metrics.xfer_duration.labels(op=op, path=path).observe(result.duration_s)
+            metrics.xfer_post.labels(op=op, path=path).observe(result.post_s)
+            metrics.xfer_bytes.labels(op=op, path=path).inc(result.bytes)
+            metrics.xfer_request_bytes.labels(op=op, path=path).observe(result.bytes)
+            metrics.xfer_descriptors.labels(op=op, path=path).observe(result.descriptors)
 
     async def _unload_peer_agents(self, address: str, agent_names: list[str]) -> None:
         # The peer's view is gone (restart, engine re-registered or left): so is its VRAM opened here.

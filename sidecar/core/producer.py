@@ -41,7 +41,7 @@ from sidecar.core.context import NodeContext
 from sidecar.core.early_notices import EarlyNotice, EarlyNotices, ReadNotice, ReleaseNotice
 from sidecar.core.holds import Holds
 from sidecar.core.matching import base_request_id
-from sidecar.core.producer_request import ProducerRequest, RequestKey, authorize, count_blocks
+from sidecar.core.producer_request import ProducerRequest, RequestKey, authorize, count_blocks, held_for_pull
 from sidecar.core.push import PushWriter
 from sidecar.core.registry import PRODUCER_ROLES, Engine, Worker
 from sidecar.core.timers import DeadlineTimer
@@ -53,7 +53,6 @@ from sidecar.dataplane.plan.layout import BlockIds
 from sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     PermissionDenied,
     ResourceExhausted,
 )
@@ -286,9 +285,7 @@ class ProducerSide:
         validation.identifier(request.engine_id, "engine_id")
         validation.identifier(request.request_id, "request_id", required=False)
         validation.identifier(request.transfer_id, "transfer_id", required=False)
-        pending = self._find(request.engine_id, request.request_id, request.transfer_id)
-        if pending is None or not pending.accepts_pull or pending.closing is not None:
-            raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
+        pending = held_for_pull(self.find(request.engine_id, request.request_id, request.transfer_id), request)
         engine = ctx.registry.require_engine(pending.engine_id, "engine_id")
         span = DigestSpan.from_proto(request.span)
         layout = engine.ordered_workers()[0].layout
@@ -512,8 +509,12 @@ class ProducerSide:
         self.finish(pending, kind, reason=reason, hold_end=hold_end)
 
     def awaiting_consumers(self) -> int:
-        """Requests whose blocks a consumer has yet to take (multi-turn holds not counted)."""
-        return sum(1 for pending in self.requests.values() if not pending.held)
+        """Requests whose blocks a consumer has yet to take, what a stopping sidecar waits for:
+        every submission, and a multi-turn hold only while a consumer may be reading it (its
+        heartbeat found the hold: ``readable_until``). Idle holds, which live for minutes, are
+        not waited for: they end at the stop and a later query finds none (P recomputes)."""
+        now = time.monotonic()
+        return sum(1 for pending in self.requests.values() if not pending.held or pending.readable_until > now)
 
     def _add(self, pending: ProducerRequest) -> None:
         self.requests[pending.key] = pending
@@ -568,6 +569,8 @@ class ProducerSide:
                 if pending.engine_id == engine_id and base_request_id(pending.request_id) == base:
                     return pending
         return None
+
+    find = _find  # the Stage route (core/staging.py) looks requests up too
 
     @staticmethod
     def _check_blocks(engine: Engine, blocks: BlockIds, field_name: str) -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvsidecar.v1 import common_pb2
 from sidecar.core.matching import Registration
 from sidecar.core.notices import NoticeTally
 from sidecar.dataplane.plan.layout import BlockIds
-from sidecar.errors import PermissionDenied
+from sidecar.errors import NotFound, PermissionDenied
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
@@ -85,3 +85,20 @@ def authorize(holder: ProducerRequest | Registration[Any], identity: str, action
 
 def count_blocks(blocks: BlockIds) -> int:
     return sum(len(group) for group in blocks)
+
+
+class HasRequestKey(Protocol):
+    """A peer's call naming a producer request (GetDigestsRequest, StageRequest)."""
+
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def request_id(self) -> str: ...
+
+
+def held_for_pull(pending: ProducerRequest | None, request: HasRequestKey) -> ProducerRequest:
+    """The request a peer may read now (GetDigests, Stage), as found for ``request``; NotFound
+    if it is not held, not pullable, or closing."""
+    if pending is None or not pending.accepts_pull or pending.closing is not None:
+        raise NotFound(f"request {request.request_id!r} of engine {request.engine_id!r} is not held here")
+    return pending

@@ -31,7 +31,7 @@ from sidecar.core.registry import Engine, Worker, worker_id
 from sidecar.dataplane.memory import ExportSpec, MappedMemory, MemoryImporter
 from sidecar.dataplane.plan.layout import RegionLayout
 from sidecar.dataplane.plane import worker_layout
-from sidecar.errors import FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from sidecar.errors import DRAINING, Draining, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.node")
@@ -52,7 +52,7 @@ class Registrations:
         (``api.engine_auth.acting_uid``); None for root, the daemon's uid and in-process callers."""
         ctx = self._ctx
         if ctx.tasks.draining:
-            raise Unavailable("the sidecar is draining for shutdown")
+            raise Draining(DRAINING)
         spec = validation.register_worker(request)
         if ctx.settings.integrity == "digest" and spec.exports[0].kind == "VRAM":
             # Digests are computed by reading the KV from the CPU, which cannot read device memory.
@@ -133,6 +133,9 @@ class Registrations:
         if raced is not None:
             ctx.tasks.spawn(self._undo_agent(creating, agent_name, memories), engines=[])
             return self._registered(raced)
+        staging_pool = None
+        if mem_type == "VRAM":
+            metadata, staging_pool = await self._offer_staging(agent_name, metadata)
         worker = Worker(
             engine_id=spec.engine_id,
             tp_rank=spec.tp_rank,
@@ -147,6 +150,7 @@ class Registrations:
             pid=spec.pid,
             fingerprint=spec.fingerprint,
             events=asyncio.Queue(),
+            staging_pool=staging_pool,
         )
         ctx.registry.add(engine, worker)
         worker.attach_timer = asyncio.get_running_loop().call_later(
@@ -307,11 +311,14 @@ class Registrations:
             await asyncio.wait(touching, timeout=ctx.settings.transfer_timeout_seconds + 1.0)
         waited = time.monotonic()
         await ctx.transport.drop_agent(worker.agent_name)
-        for memory in worker.memories:
-            self.memory.release(memory)
-        orphans = [memory.orphan_path for memory in worker.memories if memory.orphan_path]
-        if orphans:
-            ctx.tasks.spawn(self._remove_orphaned_files(orphans), engines=[])
+        # A transfer still running past its deadline is a device copy held until the GPU completes
+        # it (``device_copy.LateCopies``): the memory it writes stays mapped until then.
+        held = [task for task in touching if not task.done()]
+        if held:
+            log.warning("worker_memory_kept_for_late_copy", worker=worker.worker_id, transfers=len(held))
+            ctx.tasks.spawn(self._release_memory_after(worker, held), engines=[])
+        else:
+            self._release_memory(worker)
         ctx.events.close(worker, reason)
         self._update_gauges()
         log.info(
@@ -323,6 +330,35 @@ class Registrations:
             drop_agent_s=round(time.monotonic() - waited, 3),
         )
         return released
+
+    async def _offer_staging(self, agent_name: str, metadata: bytes) -> tuple[bytes, tuple[int, int, int] | None]:
+        """A VRAM worker's agent gets the sidecar's pinned pool registered, so that peers on other
+        nodes READ its KV from there after a Stage call (``dataplane.target_staging``); returns
+        the agent's metadata with the pool in it. Not offered (logged) where the pool cannot be."""
+        server = self._ctx.dataplane.staging_server
+        if server is None:
+            return metadata, None
+        try:
+            base = await server.pool.ready()
+            metadata = await self._ctx.transport.register_host(agent_name, base, server.pool.nbytes)
+        except Exception as exc:
+            log.warning("target_staging_not_offered", agent=agent_name, error=str(exc))
+            return metadata, None
+        return metadata, (base, server.pool.nbytes, server.pool.chunk_bytes)
+
+    def _release_memory(self, worker: Worker) -> None:
+        for memory in worker.memories:
+            self.memory.release(memory)
+        orphans = [memory.orphan_path for memory in worker.memories if memory.orphan_path]
+        if orphans:
+            self._ctx.tasks.spawn(self._remove_orphaned_files(orphans), engines=[])
+
+    async def _release_memory_after(self, worker: Worker, held: list[asyncio.Task[object]]) -> None:
+        """Unbounded on purpose: a copy that never completes keeps the memory mapped (a leak the
+        operator sees: ``kvsidecar_device_copies_held``), never a write into unmapped memory."""
+        await asyncio.wait(held)
+        self._release_memory(worker)
+        log.info("worker_memory_released_after_late_copy", worker=worker.worker_id)
 
     def detached(self, worker: Worker) -> None:
         """The worker's last event stream closed: the engine restarted or died."""

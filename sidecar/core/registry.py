@@ -56,6 +56,9 @@ class Worker:
     watchers: int = 0
     overflowed: bool = False
     attach_timer: asyncio.TimerHandle | None = None
+    # A VRAM worker's: the sidecar's pinned pool registered with its agent, (address, length,
+    # chunk_bytes), served to peers' Stage calls (dataplane.target_staging); None: not offered.
+    staging_pool: tuple[int, int, int] | None = None
 
     @property
     def key(self) -> WorkerKey:
@@ -85,6 +88,13 @@ class Worker:
                 for memory in self.memories
                 if memory.kind == "VRAM" and memory.ipc_handle and memory.gpu_uuid and node
             ],
+            staging_pool=(
+                peer_pb2.StagingPool(
+                    address=self.staging_pool[0], length=self.staging_pool[1], chunk_bytes=self.staging_pool[2]
+                )
+                if self.staging_pool
+                else None
+            ),
             tp_rank=self.tp_rank,
             pp_rank=self.pp_rank,
             agent_name=self.agent_name,

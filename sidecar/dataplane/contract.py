@@ -80,8 +80,12 @@ def is_disconnect(exc: BaseException) -> bool:
     return "Disconnect" in type(exc).__name__ or "disconnect" in str(exc).lower()
 
 
-# (op, result) of every finished transfer, called on the transport's thread (metrics only).
-XferDoneCallback = Callable[[str, TransferResult], None]
+class XferDoneCallback(Protocol):
+    """(op, result) of every finished transfer, called on the transport's thread (metrics only);
+    the data plane calls it too, on the event loop, for a device copy or a host-staged transfer
+    (``path`` = "device_copy" | "host_staging"; the transport's own transfers are "nixl")."""
+
+    def __call__(self, op: str, result: TransferResult, path: str = "nixl") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class RunsSpec:
     notification: bytes
     deadline: float
     not_after: float | None = None
+    # False: not reported to the transport's on_xfer_done (a chunk of a host-staged transfer,
+    # which the data plane reports whole, path=host_staging).
+    observed: bool = True
 
 
 @dataclass(eq=False)
@@ -169,10 +176,11 @@ class Transport(Protocol):
     def unstage(self, staging: Staging) -> None:
         """Give a staging buffer back (no transfer on it may still run)."""
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """Register host memory the caller owns (and keeps for the process's life) with
         ``agent_name``'s agent as DRAM, once per agent (later calls return at once); it is
-        deregistered with the agent. The host-staging pool's pinned memory."""
+        deregistered with the agent. The host-staging pool's pinned memory. Returns the agent's
+        metadata as it is now (with the range: what peers need to READ it)."""
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None: ...
 

@@ -540,23 +540,34 @@ def copy_done(pending: PendingCopy) -> bool:
 _POLL_FIRST_S, _POLL_MAX_S = 20e-6, 250e-6
 
 
-def wait_copy(pending: PendingCopy, timeout_s: float) -> None:
+def wait_copy(pending: PendingCopy, timeout_s: float, *, abandon: bool = True) -> None:
     """Block the calling thread (never the event loop's) until the copies are complete, at most
-    ``timeout_s``: raises DeadlineExceeded after it (the copy may still run; the event is dropped
-    and the driver frees it once the device gets there), FailedPrecondition if they failed."""
+    ``timeout_s``: raises DeadlineExceeded after it (the copy may still run), FailedPrecondition if
+    they failed. Past the bound the event is dropped (the driver frees it once the device gets
+    there) unless ``abandon`` is False: then the caller keeps it, polls ``copy_done`` until the
+    copy is over (``device_copy.hold_late``: blocks a late copy writes are not handed back before)
+    and calls ``abandon_copy`` if it stops polling first."""
     deadline = time.monotonic() + max(0.0, timeout_s)
     pause = _POLL_FIRST_S
     while not copy_done(pending):
         now = time.monotonic()
         if now >= deadline:
-            pending._abandoned = True
-            pending._finish(_get_driver())
+            if abandon:
+                abandon_copy(pending)
             raise DeadlineExceeded(
                 f"device copy of {pending.nbytes} bytes ({pending.runs} runs) on GPU {pending.device_id} "
                 f"not complete after {now - pending.posted_at:.3f} s"
             )
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, _POLL_MAX_S)
+
+
+def abandon_copy(pending: PendingCopy) -> None:
+    """Stop following a copy that is not done: its event is dropped (the driver frees it once the
+    device gets there) and ``copy_done`` raises DeadlineExceeded from now on."""
+    if not pending._finished:
+        pending._abandoned = True
+        pending._finish(_get_driver())
 
 
 def host_alloc(nbytes: int) -> int:

@@ -42,6 +42,7 @@ from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.device_copy")
 
+PATH = "device_copy"  # the path token of its trace events and transfer metrics
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # Peer workers whose memory stays opened here at once (a few engines per node, TP ranks each).
 PEER_WORKERS_OPEN = 64
@@ -108,7 +109,9 @@ def copy_rows(op: str, local: np.ndarray, remote: np.ndarray) -> np.ndarray:
 @dataclass
 class CopyOutcome:
     """What a request's device copies did: ``post_s`` launching them, ``duration_s`` from the
-    first launch to completion seen (the transfer's own post -> done)."""
+    first launch to completion seen (the transfer's own post -> done). ``late``: copies launched
+    but not complete at the deadline (they may still write); ``held_s``: how long the outcome
+    then waited for them (``LateCopies.hold``)."""
 
     ok: bool
     error: str = ""
@@ -118,10 +121,14 @@ class CopyOutcome:
     launches: int = 0
     post_s: float = 0.0
     duration_s: float = 0.0
+    late: tuple[cuda_ipc.PendingCopy, ...] = ()
+    held_s: float = 0.0
 
 
 def _launch_and_wait(batches: dict[int, np.ndarray], deadline: float, not_after: float | None) -> CopyOutcome:
-    """On a copy thread: one batch_copy per device, then wait for all until ``deadline``."""
+    """On a copy thread: one batch_copy per device, then wait for all until ``deadline``. A copy
+    not complete by then is returned in ``late`` (its event kept: the caller holds the outcome
+    until it completes)."""
     if not_after is not None and time.monotonic() > not_after:
         return CopyOutcome(False, NOT_POSTED_LATE)
     started = time.monotonic()
@@ -130,11 +137,16 @@ def _launch_and_wait(batches: dict[int, np.ndarray], deadline: float, not_after:
     try:
         for device_id, rows in sorted(batches.items()):
             pending.append(cuda_ipc.batch_copy(device_id, rows))
-        posted = time.monotonic()
-        for copy in pending:
-            cuda_ipc.wait_copy(copy, deadline - time.monotonic())
-    except (DeadlineExceeded, FailedPrecondition) as exc:
-        return CopyOutcome(False, f"device copy failed: {exc}", copies=copies)
+    except FailedPrecondition as exc:  # refused to enqueue: those launched before may still run
+        return CopyOutcome(False, f"device copy failed: {exc}", copies=copies, late=tuple(pending))
+    posted = time.monotonic()
+    for index, copy in enumerate(pending):
+        try:
+            cuda_ipc.wait_copy(copy, deadline - time.monotonic(), abandon=False)
+        except DeadlineExceeded as exc:
+            return CopyOutcome(False, f"device copy failed: {exc}", copies=copies, late=tuple(pending[index:]))
+        except FailedPrecondition as exc:  # this copy is over (failed); the others may still run
+            return CopyOutcome(False, f"device copy failed: {exc}", copies=copies, late=tuple(pending[index + 1 :]))
     done = time.monotonic()
     return CopyOutcome(
         True,
@@ -147,21 +159,117 @@ def _launch_and_wait(batches: dict[int, np.ndarray], deadline: float, not_after:
     )
 
 
-async def run_copies(batches: dict[int, np.ndarray], deadline: float, not_after: float | None) -> CopyOutcome:
+async def run_copies(
+    batches: dict[int, np.ndarray], deadline: float, not_after: float | None, held: LateCopies | None = None
+) -> CopyOutcome:
     """Launch ``batches`` (device -> Nx3 rows, addresses of this process) and wait for them, on a
     copy thread; never raises for a copy's failure or its deadline (the outcome says why).
 
-    A caller cancelled meanwhile (its engine is going) still waits for the copy thread, which
-    ends by ``deadline``: a DMA cannot be called back, and the memory it touches must not be
-    closed or handed back to the engine under it."""
+    A copy cannot be cancelled: one that missed the deadline may still write its destination
+    blocks. The failed outcome is therefore returned only once every such copy has completed
+    (``held``, see ``LateCopies``): the caller hands the blocks back to the engine (LOAD_FAILED,
+    TransferFailed) only after. A caller cancelled meanwhile (its engine is going, the node
+    stopping) still waits for the copy thread, which ends by ``deadline``; then it stops
+    following the late copies."""
     future = asyncio.get_running_loop().run_in_executor(
         _copy_executor(), _launch_and_wait, batches, deadline, not_after
     )
     try:
-        return await asyncio.shield(future)
+        outcome = await asyncio.shield(future)
     except asyncio.CancelledError:
         await asyncio.wait([future])
+        for copy in future.result().late:
+            cuda_ipc.abandon_copy(copy)
         raise
+    if outcome.late:
+        outcome.held_s = await (held if held is not None else LateCopies()).hold(outcome.late)
+        outcome.error += (
+            f"; the copy completed {outcome.held_s:.3f} s after its deadline, "
+            "and its blocks were held from the engine until then"
+        )
+    return outcome
+
+
+# --- copies past their deadline -----------------------------------------------------------------
+
+# How often a held copy is checked (backing off to the max), how long one check may take (a
+# driver call that does not return counts as "not done yet"), how often the warning repeats.
+HOLD_CHECK_FIRST_S, HOLD_CHECK_MAX_S, HOLD_CHECK_BOUND_S, HOLD_WARN_EVERY_S = 0.01, 1.0, 5.0, 60.0
+
+
+def _over(copies: tuple[cuda_ipc.PendingCopy, ...]) -> bool:
+    """On a copy thread: whether every copy has ended (complete, or failed: it writes no more)."""
+    for copy in copies:
+        try:
+            if not cuda_ipc.copy_done(copy):
+                return False
+        except (FailedPrecondition, DeadlineExceeded):
+            continue  # failed, or no longer followed (abandoned): nothing to wait for
+    return True
+
+
+@dataclass
+class LateCopies:
+    """Device copies past their deadline that may still write an engine's blocks, and the wait
+    for them (event loop thread). GPU memory cannot be fenced and a DMA cannot be called back, so
+    the transfer's failure (which hands the blocks back to the engine: LOAD_FAILED, then vLLM
+    recomputes into them) waits until the copy's completion event fires, checked every
+    ``HOLD_CHECK_*`` off the loop, each check bounded. A copy that never completes (a hung GPU)
+    keeps its blocks held for good: a leak the operator sees (``copies``/``bytes``: the metrics
+    ``kvsidecar_device_copies_held``/``_held_bytes``, the warning ``device_copy_held``, the
+    request still "reading"/"writing" in status), never a late write into reused blocks."""
+
+    copies: int = 0
+    bytes: int = 0
+    ended: int = 0  # holds that ended (the copy completed late)
+
+    async def hold(self, late: tuple[cuda_ipc.PendingCopy, ...]) -> float:
+        """Wait until every copy of ``late`` has ended; returns the seconds waited. Cancelled:
+        stops following them (the caller's engine or node is going)."""
+        nbytes = sum(copy.nbytes for copy in late)
+        self.copies += len(late)
+        self.bytes += nbytes
+        started = warned = time.monotonic()
+        log.warning(
+            "device_copy_held",
+            copies=len(late),
+            bytes=nbytes,
+            gpus=sorted({copy.device_id for copy in late}),
+            detail="a device copy missed its deadline and cannot be cancelled: the blocks it writes go back "
+            "to the engine only once it completes",
+        )
+        loop = asyncio.get_running_loop()
+        check: asyncio.Future[bool] | None = None
+        pause = HOLD_CHECK_FIRST_S
+        try:
+            while True:
+                if check is None:
+                    check = loop.run_in_executor(_copy_executor(), _over, late)
+                done, _ = await asyncio.wait({check}, timeout=HOLD_CHECK_BOUND_S)
+                if done:
+                    over, check = check.result(), None
+                    if over:
+                        break
+                now = time.monotonic()
+                if now - warned >= HOLD_WARN_EVERY_S:
+                    warned = now
+                    log.warning(
+                        "device_copy_still_held", copies=len(late), bytes=nbytes, held_s=round(now - started, 1)
+                    )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, HOLD_CHECK_MAX_S)
+        except asyncio.CancelledError:
+            for copy in late:
+                cuda_ipc.abandon_copy(copy)
+            log.warning("device_copy_hold_abandoned", copies=len(late), held_s=round(time.monotonic() - started, 3))
+            raise
+        finally:
+            self.copies -= len(late)
+            self.bytes -= nbytes
+        held_s = time.monotonic() - started
+        self.ended += 1
+        log.warning("device_copy_hold_ended", copies=len(late), bytes=nbytes, held_s=round(held_s, 3))
+        return held_s
 
 
 # --- peer engines' memory, opened here ----------------------------------------------------------

@@ -22,10 +22,17 @@ Only the last READ/WRITE carries the peer's notification, posted once every othe
 the direct path and it never learns of data still in flight. A slot is lent again only once its
 copy (pull) or WRITE (push) has ended; a copy not done by the deadline keeps its slot out of the
 pool until the GPU reports it done (a late copy must not land in a slot another transfer holds).
+A pull's late copy (slot -> the engine's blocks) may still write those blocks: the transfer's
+failure waits until it completes (``device_copy.LateCopies``), so the engine never gets them back
+under it. A push's late copy only reads the engine's blocks into a slot whose WRITE is never
+posted: the failure goes out at once (what it reads cannot reach the peer).
 
-Target-side staging is not built: a peer whose KV is GPU memory is still reached through the
-memory its own sidecar registered (NIXL's emulation over TCP; an RDMA NIC cannot register it); it
-is logged once per peer agent (``host_staging_peer_gpu_memory``).
+Target-side staging (``target_staging``): a pull from a peer whose GPU worker advertises its
+sidecar's pool READs each chunk from the slot that sidecar filled for it (``StagedMove.stager``).
+A peer whose KV is GPU memory and that does not stage (an older sidecar; a push's target, not
+built) is still reached through the memory its own sidecar registered (NIXL's emulation over TCP;
+an RDMA NIC cannot register it); it is logged once per peer agent
+(``host_staging_peer_gpu_memory``).
 
 Threads: the event loop thread plans, launches copies (a launch returns at once) and awaits NIXL;
 waiting for a copy runs in ``asyncio.to_thread`` (``wait_copy`` blocks), bounded by the deadline.
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,6 +50,7 @@ import numpy as np
 from sidecar.config import HostStagingSettings
 from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, Transport
+from sidecar.dataplane.device_copy import LateCopies
 from sidecar.dataplane.plan.stage_chunks import StageChunks, cut
 from sidecar.errors import DeadlineExceeded, FailedPrecondition
 from sidecar.logs import get_logger
@@ -155,6 +163,12 @@ class StagedMove:
     notification: bytes
     deadline: float
     not_after: float | None = None
+    # A pull whose peer stages its GPU memory into its own pool (target_staging): chunk c is
+    # READ from the slot the peer filled for it, not from the peer's engine memory.
+    stager: Any = None  # target_staging.RemoteStager
+    # "DRAM": the local engine's blocks are host memory (``device_rows`` then name them): a pull
+    # from a staging peer READs each slot straight into them, through no pool of ours.
+    local_mem: str = "VRAM"
 
 
 class HostStaging:
@@ -168,6 +182,8 @@ class HostStaging:
         # Agents the pool is registered with. The node names agents with a serial (never reused),
         # so a name here stays right; cleared when large (registering again is a no-op there).
         self._registered: set[str] = set()
+        # Pulls' copies past their deadline, whose failure waits for them (the plane shares its own).
+        self.late_copies = LateCopies()
 
     @property
     def forced(self) -> bool:
@@ -175,13 +191,15 @@ class HostStaging:
         chooses a device copy: ``DataPlane.device_copy``)."""
         return self.settings.mode == "always"
 
-    def applies(self, local_mem: str, peer_agent: str, peer_mem: str) -> bool:
+    def applies(self, local_mem: str, peer_agent: str, peer_mem: str, peer_stages: bool = False) -> bool:
         """Whether a transfer of a local worker with ``local_mem`` stages through the pool (the
         plane asks only where it did not choose a device copy, unless ``forced``). Logs once per
-        peer agent whose KV is GPU memory: target-side staging is not built."""
+        peer agent whose KV is GPU memory and whose sidecar does not stage it (target_staging)."""
         if self.settings.mode == "off":
             return False
-        if peer_mem == "VRAM" and peer_agent not in self._noted_peers:
+        if local_mem == "DRAM" and peer_stages:
+            return True  # READ the peer's slots straight into the engine's host memory
+        if peer_mem == "VRAM" and not peer_stages and peer_agent not in self._noted_peers:
             if len(self._noted_peers) > 4096:  # peers come and go: logged again rather than kept forever
                 self._noted_peers.clear()
             self._noted_peers.add(peer_agent)
@@ -191,8 +209,8 @@ class HostStaging:
                 reason=(
                     "the peer's KV is GPU memory its sidecar imported over CUDA IPC; it is reached through "
                     "that sidecar's NIXL registration (emulated over TCP; an RDMA NIC cannot register it): "
-                    "target-side staging is not built, so across nodes keep producers' KV in host memory "
-                    "or accept the emulated rate"
+                    "that sidecar does not stage it (an older version, host_staging.mode=off, or a push, whose "
+                    "target-side staging is not built)"
                 ),
             )
         return local_mem == "VRAM"
@@ -200,11 +218,16 @@ class HostStaging:
     async def move(self, move: StagedMove) -> TransferResult:
         """Run one staged transfer; never raises for transfer or copy failures."""
         try:
-            chunks = cut(move.device_rows, move.remote_rows, self.settings.chunk_bytes)
+            chunk_bytes = self.settings.chunk_bytes
+            if move.stager is not None:  # a chunk must fit one slot of the peer's pool too
+                chunk_bytes = min(chunk_bytes, move.stager.chunk_bytes)
+            chunks = cut(move.device_rows, move.remote_rows, chunk_bytes)
         except ValueError as exc:  # PlanError: rows that do not pair
             return TransferResult(False, f"host staging: {exc}")
         if chunks.count == 0:
             return await self._notify(move)
+        if move.local_mem == "DRAM":
+            return await _direct_pull(self._transport, move, chunks, self.settings.slots)
         try:
             base = await self.pool.ready()
             if move.agent_name not in self._registered:
@@ -219,7 +242,7 @@ class HostStaging:
             slots = await self.pool.lend(min(self.settings.slots, chunks.count), move.deadline)
         except TimeoutError:
             return TransferResult(False, f"{move.op} did not complete within its deadline (no host staging slot free)")
-        pipeline = _Pipeline(self._transport, self.pool, move, chunks, slots)
+        pipeline = _Pipeline(self._transport, self.pool, move, chunks, slots, self.late_copies)
         try:
             return await pipeline.run()
         except Exception as exc:  # a bug must still reach the waiting side as a failed transfer
@@ -236,14 +259,70 @@ class HostStaging:
         return TransferResult(True)
 
 
-def describe_staged(op: str, agent_name: str, result: TransferResult) -> str:
-    """A staged transfer's completion, for the request's trace (ends with its path token)."""
+def describe_staged(op: str, agent_name: str, result: TransferResult, peer_staged: bool = False) -> str:
+    """A staged transfer's completion, for the request's trace (ends with its path token;
+    ``peer_staged``: the peer staged its side too, target_staging)."""
+    both = " staged_by_peer=yes" if peer_staged else ""
     if not result.ok:
-        return f"{op} on {agent_name} failed: {result.error} path={PATH}"
+        return f"{op} on {agent_name} failed: {result.error}{both} path={PATH}"
     return (
         f"{op} on {agent_name} done: {result.bytes} bytes, {result.descriptors} descriptors, "
-        f"transfer {result.duration_s * 1000:.3f} ms path={PATH}"
+        f"transfer {result.duration_s * 1000:.3f} ms{both} path={PATH}"
     )
+
+
+async def _direct_pull(transport: Transport, move: StagedMove, chunks: StageChunks, depth: int) -> TransferResult:
+    """A pull into host memory from a peer that stages (``move.stager``): chunk c is staged by the
+    peer, then READ from its slot straight into the engine's blocks, up to ``depth`` chunks in
+    flight; the last READ (it notifies) only once every other is done. Never raises."""
+    started = time.monotonic()
+    stager = move.stager
+
+    async def read(chunk: int) -> TransferResult:
+        rows = chunks.rows(chunk)
+        remote, offsets = chunks.remote[rows], chunks.offsets[rows]
+        try:
+            staged = await stager.stage(np.column_stack((remote[:, 0], remote[:, 1], offsets)), move.deadline)
+        except Exception as exc:
+            return TransferResult(False, f"host staging: the peer did not stage chunk {chunk}: {exc}")
+        in_slot = remote.copy()
+        in_slot[:, 0] = np.uint64(staged.address) + offsets
+        in_slot[:, 2] = 0
+        last = chunk == chunks.count - 1
+        spec = RunsSpec(
+            move.agent_name, "READ", move.remote, chunks.device[rows], "DRAM", in_slot, "DRAM",
+            move.notification if last else b"", move.deadline, move.not_after, observed=False,
+        )  # fmt: skip
+        try:
+            return await transport.transfer_runs(spec)
+        finally:
+            stager.done(staged.slot)
+
+    results: list[TransferResult] = []
+    failure: TransferResult | None = None
+    try:
+        window: list[asyncio.Future[TransferResult]] = []
+        for chunk in range(chunks.count - 1):
+            window.append(asyncio.ensure_future(read(chunk)))
+            if len(window) >= depth:
+                results.append(await window.pop(0))
+                if not results[-1].ok:
+                    break  # post no more; those in flight end by the deadline
+        results += list(await asyncio.gather(*window))
+        failure = next((result for result in results if not result.ok), None)
+        if failure is None:
+            last = await read(chunks.count - 1)
+            results.append(last)
+            failure = None if last.ok else last
+    finally:
+        await stager.finish(move.deadline)
+    if failure is not None:
+        return failure
+    elapsed = time.monotonic() - started
+    return TransferResult(
+        True, bytes=chunks.total, descriptors=sum(r.descriptors for r in results), duration_s=elapsed,
+        handoff={"copy_transfer": elapsed},
+    )  # fmt: skip
 
 
 class _CopyFailed(Exception):
@@ -254,7 +333,13 @@ class _Pipeline:
     """One staged transfer's chunks in flight (see the module docstring)."""
 
     def __init__(
-        self, transport: Transport, pool: PinnedPool, move: StagedMove, chunks: StageChunks, slots: list[int]
+        self,
+        transport: Transport,
+        pool: PinnedPool,
+        move: StagedMove,
+        chunks: StageChunks,
+        slots: list[int],
+        late_copies: LateCopies,
     ) -> None:
         self._transport = transport
         self._pool = pool
@@ -266,6 +351,8 @@ class _Pipeline:
         self._results: list[TransferResult] = []
         self._failure: TransferResult | None = None
         self._late: set[int] = set()  # slots a copy may still write or read (missed its deadline)
+        self._late_copies = late_copies
+        self._late_pending: list[cuda_ipc.PendingCopy] = []  # those copies, still followed
 
     def _slot(self, chunk: int) -> int:
         return self._slots[chunk % len(self._slots)]
@@ -281,6 +368,10 @@ class _Pipeline:
             self._fail(TransferResult(False, str(exc)))
         finally:
             await self._drain()
+            if self._move.stager is not None:
+                await self._move.stager.finish(self._move.deadline)
+        if self._late_pending:
+            await self._settle_late()
         if self._failure is not None:
             return self._failure
         elapsed = time.monotonic() - started
@@ -328,18 +419,42 @@ class _Pipeline:
         await self._nixl_done(count - 1)
 
     def _post(self, chunk: int) -> asyncio.Future[TransferResult]:
+        if self._move.stager is not None:
+            return asyncio.ensure_future(self._staged_read(chunk))
+        return asyncio.ensure_future(
+            self._transport.transfer_runs(
+                self._spec(chunk, self._chunks.remote[self._chunks.rows(chunk)], self._move.remote_mem)
+            )
+        )
+
+    async def _staged_read(self, chunk: int) -> TransferResult:
+        """Target-side staging: the peer copies the chunk into a slot of its pool, then it is READ
+        from there; the slot is handed back once the READ has ended (whatever its result)."""
         move, rows = self._move, self._chunks.rows(chunk)
-        remote = self._chunks.remote[rows]
+        remote, offsets = self._chunks.remote[rows], self._chunks.offsets[rows]
+        try:
+            staged = await move.stager.stage(np.column_stack((remote[:, 0], remote[:, 1], offsets)), move.deadline)
+        except Exception as exc:
+            return TransferResult(False, f"host staging: the peer did not stage chunk {chunk}: {exc}")
+        in_slot = remote.copy()
+        in_slot[:, 0] = np.uint64(staged.address) + offsets
+        in_slot[:, 2] = 0
+        try:
+            return await self._transport.transfer_runs(self._spec(chunk, in_slot, "DRAM"))
+        finally:
+            move.stager.done(staged.slot)
+
+    def _spec(self, chunk: int, remote: np.ndarray, remote_mem: str) -> RunsSpec:
+        move, rows = self._move, self._chunks.rows(chunk)
         local = np.empty_like(remote)
         local[:, 0] = np.uint64(self._pool.address(self._slot(chunk))) + self._chunks.offsets[rows]
         local[:, 1] = remote[:, 1]
         local[:, 2] = 0
         last = chunk == self._chunks.count - 1
-        spec = RunsSpec(
-            move.agent_name, move.op, move.remote, local, "DRAM", remote, move.remote_mem,
-            move.notification if last else b"", move.deadline, move.not_after,
+        return RunsSpec(
+            move.agent_name, move.op, move.remote, local, "DRAM", remote, remote_mem,
+            move.notification if last else b"", move.deadline, move.not_after, observed=False,
         )  # fmt: skip
-        return asyncio.ensure_future(self._transport.transfer_runs(spec))
 
     async def _nixl_done(self, chunk: int) -> bool:
         future = self._nixl.pop(chunk, None)
@@ -358,7 +473,7 @@ class _Pipeline:
         staged = np.uint64(self._pool.address(self._slot(chunk))) + self._chunks.offsets[rows]
         # (dst, src, nbytes): slot -> the engine's blocks (pull), or the other way (push)
         dst, src = (device[:, 0], staged) if self._move.op == "READ" else (staged, device[:, 0])
-        copies = list(zip(dst.tolist(), src.tolist(), device[:, 1].tolist(), strict=True))
+        copies = np.column_stack((dst, src, device[:, 1])).astype(np.uint64, copy=False)  # no per-row Python
         try:
             return cuda_ipc.batch_copy(self._move.device_id, copies)
         except Exception as exc:
@@ -375,9 +490,10 @@ class _Pipeline:
                 remaining = self._move.deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceeded("no time left")
-                await asyncio.to_thread(cuda_ipc.wait_copy, pending, remaining)
+                await asyncio.to_thread(cuda_ipc.wait_copy, pending, remaining, abandon=False)
         except DeadlineExceeded as exc:
             self._late.add(self._slot(chunk))
+            self._late_pending.append(pending)
             raise _CopyFailed(
                 f"{self._move.op} did not complete within its deadline (host staging: the GPU copy of chunk "
                 f"{chunk} of {self._chunks.count} did not complete: {exc})"
@@ -386,6 +502,24 @@ class _Pipeline:
             raise _CopyFailed(f"host staging: the GPU copy of chunk {chunk} failed: {exc}") from exc
         finally:
             self._copies.pop(chunk, None)
+
+    async def _settle_late(self) -> None:
+        """Copies that missed the deadline: a pull's may still write the engine's blocks, so the
+        failure waits for them (``LateCopies.hold``; their slots are then free again). A push's
+        only read the engine's blocks: no longer followed (their slots wait for a marker)."""
+        late, self._late_pending = tuple(self._late_pending), []
+        if self._move.op != "READ":
+            for copy in late:
+                cuda_ipc.abandon_copy(copy)
+            return
+        held_s = await self._late_copies.hold(late)
+        self._late.clear()  # the copies are over: their slots may be lent again
+        if self._failure is not None:
+            self._failure = replace(
+                self._failure,
+                error=f"{self._failure.error}; the late GPU copy completed {held_s:.3f} s after the deadline, "
+                "and the engine's blocks were held until then",
+            )
 
     def _fail(self, result: TransferResult) -> None:
         if self._failure is None:

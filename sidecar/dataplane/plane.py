@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -54,6 +55,7 @@ from sidecar.dataplane.contract import (
     TransferResult,
     TransferSpec,
     Transport,
+    XferDoneCallback,
 )
 from sidecar.dataplane.host_staging import PATH as HOST_STAGING
 from sidecar.dataplane.host_staging import HostStaging, StagedMove, describe_staged
@@ -77,6 +79,7 @@ from sidecar.dataplane.plan.convert import (
 from sidecar.dataplane.plan.descriptors import descriptor_indices, view_descriptors
 from sidecar.dataplane.plan.layout import BlockIds, Pairing, PlanError, RegionLayout, Slice, WorkerLayout
 from sidecar.dataplane.plan.tp import expected_notifications, pairings, unpaired_targets
+from sidecar.dataplane.target_staging import RemoteStager, StagedSlot, StagingServer, pack_rows
 
 _KIND_NAMES = {common_pb2.MEMORY_KIND_DRAM: "DRAM", common_pb2.MEMORY_KIND_VRAM: "VRAM"}
 
@@ -99,6 +102,13 @@ class WorkerView:
     # A peer's VRAM worker: what a sidecar on the same node needs to open its memory itself
     # (empty for DRAM workers, this sidecar's own engines, and peers older than this field).
     exports: tuple[NodeExport, ...] = ()
+    # A peer's VRAM worker whose sidecar stages it for READs (``target_staging``): its pinned
+    # pool (address, length, chunk_bytes) in that sidecar's address space; None: not offered.
+    staging_pool: tuple[int, int, int] | None = None
+
+
+# Asks a peer sidecar (address) to stage a chunk (PeerService.Stage).
+StageRemote = Callable[[str, peer_pb2.StageRequest], Awaitable[peer_pb2.StageResponse]]
 
 
 @dataclass(frozen=True)
@@ -178,12 +188,14 @@ def view_from_descriptor(address: str, sidecar_id: str, engine: peer_pb2.EngineD
             NodeExport(e.cuda_ipc_handle, e.offset, e.length, e.address, e.gpu_uuid, e.node_id)
             for e in worker.node_local_exports
         )
+        pool = worker.staging_pool if worker.HasField("staging_pool") else None
         workers.append(
             WorkerView(
                 layout=layout_from_descriptor(worker),
                 agent=RemoteAgent(worker.agent_name, worker.agent_metadata),
                 mem_type=_KIND_NAMES.get(kind, "DRAM"),
                 exports=exports,
+                staging_pool=(pool.address, pool.length, pool.chunk_bytes) if pool and pool.chunk_bytes else None,
             )
         )
     return EngineView(
@@ -290,6 +302,7 @@ class DataPlane:
         staging_below_bytes: int = STAGING_BELOW_BYTES,
         deliver_local: NotificationsCallback | None = None,
         host_staging: HostStaging | None = None,
+        on_xfer_done: XferDoneCallback | None = None,
     ) -> None:
         self._transport = transport
         self._sidecar_id = sidecar_id
@@ -298,10 +311,24 @@ class DataPlane:
         self._deliver_local = deliver_local
         # A local GPU worker's transfers through pinned host memory (None: never; host_staging.py).
         self.host_staging = host_staging
+        # The transfer metrics for the paths the transport does not see whole (device copies,
+        # staged transfers); the transport reports its own NIXL transfers.
+        self._on_xfer_done = on_xfer_done
         # False: NIXL (or host staging) even where a device copy could run; host staging's
         # "always" mode turns it off (the cross-node path, forced on one node).
         self.device_copy = not (host_staging is not None and host_staging.forced)
         self.peer_memory = device_copy.PeerMappings()
+        # Target-side staging, both roles: this sidecar's VRAM workers' pool served to peers
+        # (None: host staging off or no GPU), and the call that asks a peer to stage (the node
+        # sets it; None: never ask).
+        self.staging_server: StagingServer | None = None
+        if host_staging is not None and host_staging.settings.mode != "off":
+            self.staging_server = StagingServer(host_staging.pool)
+        self.stage_remote: StageRemote | None = None
+        # Device copies past their deadline whose transfer's outcome waits for them (metrics).
+        self.late_copies = device_copy.LateCopies()
+        if host_staging is not None:
+            host_staging.late_copies = self.late_copies
 
     @staticmethod
     def converts(initiator: list[LocalWorker], initiator_tp: int, target: EngineView) -> bool:
@@ -436,7 +463,7 @@ class DataPlane:
         if peer:
             self.peer_memory.hold(route)
         try:
-            copied = await device_copy.run_copies(merged, deadline, job.not_after)
+            copied = await device_copy.run_copies(merged, deadline, job.not_after, self.late_copies)
         finally:
             if peer:
                 await self.peer_memory.release(route)
@@ -447,6 +474,7 @@ class DataPlane:
         if not copied.ok:
             job.on_step("nixl_completion", f"{job.op} on {names} failed: {copied.error} path=device_copy")
             return TransferOutcome(False, copied.error, results=[result])
+        self._observe(job.op, result, device_copy.PATH)
         job.on_step(
             "nixl_completion",
             f"{job.op} on {names} done: {copied.bytes} bytes, {copies} copies in {copied.runs} runs, "
@@ -554,7 +582,7 @@ class DataPlane:
 
     async def _traced_converted(self, job: TransferJob, move: ConvertedMove) -> TransferResult:
         span, mine, theirs = move.span, move.worker.agent_name, move.other.agent.name
-        if self._stages(move.worker, move.other):
+        if self._stages(move.worker, move.other, move.op):
             source, dest = (move.remote, move.local) if move.op == "READ" else (move.local, move.remote)
             try:
                 src, dst = run_descriptors(source, dest, span.first, span.end)
@@ -665,7 +693,7 @@ class DataPlane:
         deadline: float,
     ) -> TransferResult:
         remote_ids = descriptor_indices(other.layout, job.target_blocks)
-        if self._stages(worker, other):
+        if self._stages(worker, other, job.op):
             rows = (
                 device_copy.selected_descriptors(worker.layout, pairing.initiator_slice, local_ids),
                 device_copy.selected_descriptors(other.layout, pairing.target_slice, remote_ids),
@@ -691,10 +719,33 @@ class DataPlane:
         job.on_step("nixl_completion", _describe(job.op, worker.agent_name, result), _measured(result, resumed=True))
         return result
 
-    def _stages(self, worker: LocalWorker, other: WorkerView) -> bool:
+    def _stages(self, worker: LocalWorker, other: WorkerView, op: str = "") -> bool:
         """Whether this pair's bytes go through the pinned host pool (host_staging.py)."""
         staging = self.host_staging
-        return staging is not None and staging.applies(worker.mem_type, other.agent.name, other.mem_type)
+        peer_stages = op == "READ" and self._target_stages(other)
+        return staging is not None and staging.applies(worker.mem_type, other.agent.name, other.mem_type, peer_stages)
+
+    def _target_stages(self, other: WorkerView) -> bool:
+        return other.mem_type == "VRAM" and other.staging_pool is not None and self.stage_remote is not None
+
+    def _stager(self, job: TransferJob, other: WorkerView) -> RemoteStager | None:
+        """A pull from a peer worker that stages its GPU memory: the Stage calls for it."""
+        stage_remote = self.stage_remote
+        if job.op != "READ" or stage_remote is None or not self._target_stages(other):
+            return None
+        assert other.staging_pool is not None
+        address, base = job.target.address, job.target
+
+        async def call(rows: np.ndarray, remaining: float, done: list[int]) -> StagedSlot:
+            request = peer_pb2.StageRequest(
+                engine_id=base.engine_id, request_id=job.target_request_id, transfer_id=job.transfer_id,
+                agent_name=other.agent.name, rows=pack_rows(rows), timeout_seconds=max(remaining, 0.0),
+                done_slots=done,
+            )  # fmt: skip
+            response = await stage_remote(address, request)
+            return StagedSlot(response.slot, response.address)
+
+        return RemoteStager(call, other.staging_pool[2])
 
     async def _host_staged(
         self,
@@ -708,14 +759,20 @@ class DataPlane:
         assert self.host_staging is not None
         mine, theirs = worker.agent_name, other.agent.name
         job.on_step("posted", f"{job.op} {mine} -> {theirs} ({len(rows[0])} runs) path={HOST_STAGING}")
+        stager = self._stager(job, other)
         result = await self.host_staging.move(
             StagedMove(
                 job.op, mine, worker.layout.device_id, other.agent, other.mem_type, rows[0], rows[1], payload,
-                deadline, job.not_after,
+                deadline, job.not_after, stager, worker.mem_type,
             )
         )  # fmt: skip
-        job.on_step("nixl_completion", describe_staged(job.op, mine, result), _measured(result))
+        job.on_step("nixl_completion", describe_staged(job.op, mine, result, stager is not None), _measured(result))
+        self._observe(job.op, result, HOST_STAGING)
         return result
+
+    def _observe(self, op: str, result: TransferResult, path: str) -> None:
+        if self._on_xfer_done is not None and result.ok:
+            self._on_xfer_done(op, result, path)
 
     async def _notify_only(self, worker: LocalWorker, other: WorkerView, payload: bytes) -> TransferResult:
         try:

@@ -74,6 +74,11 @@ class PeerChannels:
             self._dialed[address] = time.monotonic()
         return entry[1]
 
+    def connected(self, address: str) -> bool:
+        """The channel to ``address`` has a connection (a peer stream may be opened on it)."""
+        entry = self._channels.get(address)
+        return entry is not None and entry[0].get_state() == grpc.ChannelConnectivity.READY
+
     def _backing_off(self, address: str, channel: grpc.aio.Channel) -> bool:
         """The channel's last connection attempt failed and it was not opened just now."""
         return (

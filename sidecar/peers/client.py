@@ -1,12 +1,15 @@
 """The typed client of peer sidecars, and the handshake cache.
 
 One method per PeerService RPC (``handshake``, ``push_reg``, ``heartbeat``, ``query_cache``,
-``transfer_failed``, ``release``). Each goes to this sidecar's own handlers through the routing
-table (``peers.routes``) when the address is our own (the same-node path never leaves the
-process), otherwise over a pooled gRPC channel (``peers.channels``) with a deadline. Every
-response names the peer's instance id; a new id means the peer restarted, so everything cached
-about it is dropped (and its NIXL agents unloaded through ``on_peer_restart``) before the next use
-re-handshakes.
+``transfer_failed``, ``release``, ``get_digests``, ``trace``), each a row of one table
+(``peers.rpcs``) and every one a ``PeerClient.call``. Each goes to this sidecar's own handlers
+through the routing table (``peers.routes``) when the address is our own (the same-node path never
+leaves the process), otherwise over a pooled gRPC channel (``peers.channels``) with a deadline: the
+rows marked ``stream`` (PushReg, Heartbeat, TransferFailed, Release) on the peer's open stream
+(``peers.stream``) when there is one, ending exactly as their unary calls would. Every response
+names the peer's instance id; a new id means the peer restarted, so everything cached about it is
+dropped (and its NIXL agents unloaded through ``on_peer_restart``), its stream closed, before the
+next use re-handshakes.
 
 Handshakes are cached per (address, engine) and deduplicated per key: a slow peer delays only the
 requests that need it. Runs on the event loop thread.
@@ -23,23 +26,29 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import Message
 
-from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
+from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
+from sidecar import peer_features
 from sidecar.config import Settings
 from sidecar.dataplane.plane import EngineView, view_from_descriptor
 from sidecar.errors import (
+    DRAINING,
     DeadlineExceeded,
+    Draining,
     FailedPrecondition,
     NotFound,
     PeerInvalidArgument,
     ResourceExhausted,
     SidecarError,
     Unavailable,
+    Unimplemented,
 )
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.addresses import SelfAddresses, address_key
 from sidecar.peers.channels import PeerChannels
 from sidecar.peers.routes import LOCAL, PeerRoutes
+from sidecar.peers.rpcs import PeerRpc, Req, Resp, peer_rpc
+from sidecar.peers.stream import NotSent, PeerStreams
 
 log = get_logger("kvsidecar.peers")
 
@@ -49,6 +58,7 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[SidecarError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.INVALID_ARGUMENT: PeerInvalidArgument,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
 }
 
 
@@ -60,6 +70,8 @@ class _PeerState:
     handshake_ms: float = 0.0
     clock_offset_ms: float = 0.0
     consecutive_failures: int = 0
+    # The peer's versions and features at its last handshake (GetStatus shows them).
+    versions: common_pb2.VersionInfo | None = None
 
 
 class PeerClient:
@@ -88,6 +100,7 @@ class PeerClient:
         # settings.max_peers: with the handshaken peers, whom multi-turn cache queries ask.
         self._callers: dict[str, str] = {}
         self._self_addresses = SelfAddresses()
+        self.streams = PeerStreams()
 
     def bind_local(self, routes: PeerRoutes) -> None:
         """This sidecar's own handlers, for calls to its own address (set once by the node)."""
@@ -142,6 +155,7 @@ class PeerClient:
         state.sidecar_id = response.sidecar.sidecar_id
         state.last_seen = time.monotonic()
         state.handshake_ms = elapsed * 1000.0
+        state.versions = response.sidecar.versions
         if response.sidecar.clock_unix_s:
             midpoint = sent_unix + elapsed / 2.0
             state.clock_offset_ms = (response.sidecar.clock_unix_s - midpoint) * 1000.0
@@ -153,6 +167,8 @@ class PeerClient:
             peer=address,
             engine_id=engine_id,
             peer_sidecar_id=response.sidecar.sidecar_id,
+            peer_version=response.sidecar.versions.kvsidecar,
+            peer_features=sorted(peer_features(list(response.sidecar.versions.features))),
             workers=len(view.workers),
             ms=round(elapsed * 1000.0, 2),
         )
@@ -192,6 +208,7 @@ class PeerClient:
                     "peer_restarted", peer=info.address, old_sidecar_id=state.sidecar_id, new_sidecar_id=info.sidecar_id
                 )
                 state.sidecar_id = info.sidecar_id
+                self.streams.forget(info.address, info.sidecar_id)
                 await self.forget(info.address, "peer restarted")
 
     def cached_view(self, address: str, engine_id: str) -> EngineView | None:
@@ -213,100 +230,62 @@ class PeerClient:
             log.info("peer_engine_forgotten", peer=address, engine_id=engine_id, reason=reason)
             await self._on_peer_restart(address, view.agent_names)
 
-    # --- calls ------------------------------------------------------------------------------
+    # --- calls: one row per PeerService RPC (``peer_rpc``) -------------------------------------
+    # Each is ``await client.<name>(address, request, wait_for_ready=True)`` -> the response.
 
-    async def handshake(
-        self, address: str, request: peer_pb2.HandshakeRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.HandshakeResponse:
-        response = await self._call(address, request, lambda r: r.handshake, lambda s: s.Handshake, wait_for_ready)
-        return cast(peer_pb2.HandshakeResponse, response)
-
-    async def push_reg(
-        self, address: str, request: peer_pb2.PushRegRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.PushRegResponse:
-        response = await self._call(
-            address, request, lambda r: lambda q: r.push_reg(q, LOCAL), lambda s: s.PushReg, wait_for_ready
-        )
-        return cast(peer_pb2.PushRegResponse, response)
-
-    async def heartbeat(
-        self, address: str, request: peer_pb2.HeartbeatRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.HeartbeatResponse:
-        response = await self._call(
-            address, request, lambda r: lambda q: r.heartbeat(q, LOCAL), lambda s: s.Heartbeat, wait_for_ready
-        )
-        return cast(peer_pb2.HeartbeatResponse, response)
-
-    async def query_cache(
-        self, address: str, request: peer_pb2.PeerQueryCacheRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.PeerQueryCacheResponse:
-        response = await self._call(address, request, lambda r: r.query_cache, lambda s: s.QueryCache, wait_for_ready)
-        return cast(peer_pb2.PeerQueryCacheResponse, response)
-
-    async def transfer_failed(
-        self, address: str, request: peer_pb2.TransferFailedRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.TransferFailedResponse:
-        response = await self._call(
-            address,
-            request,
-            lambda r: lambda q: r.transfer_failed(q, LOCAL),
-            lambda s: s.TransferFailed,
-            wait_for_ready,
-        )
-        return cast(peer_pb2.TransferFailedResponse, response)
-
-    async def release(
-        self, address: str, request: peer_pb2.PeerReleaseRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.PeerReleaseResponse:
-        response = await self._call(
-            address, request, lambda r: lambda q: r.release(q, LOCAL), lambda s: s.Release, wait_for_ready
-        )
-        return cast(peer_pb2.PeerReleaseResponse, response)
-
-    async def get_digests(
-        self, address: str, request: peer_pb2.GetDigestsRequest, wait_for_ready: bool = True
-    ) -> peer_pb2.GetDigestsResponse:
-        response = await self._call(address, request, lambda r: r.get_digests, lambda s: s.GetDigests, wait_for_ready)
-        return cast(peer_pb2.GetDigestsResponse, response)
-
-    async def trace(self, address: str, request: common_pb2.TraceRequest) -> common_pb2.TraceResponse:
-        response = await self._call(address, request, lambda r: r.trace, lambda s: s.Trace)
-        return cast(common_pb2.TraceResponse, response)
+    handshake = peer_rpc("Handshake", peer_pb2.HandshakeRequest, peer_pb2.HandshakeResponse)
+    push_reg = peer_rpc("PushReg", peer_pb2.PushRegRequest, peer_pb2.PushRegResponse, identity=True, stream=True)
+    heartbeat = peer_rpc("Heartbeat", peer_pb2.HeartbeatRequest, peer_pb2.HeartbeatResponse, identity=True, stream=True)
+    query_cache = peer_rpc("QueryCache", peer_pb2.PeerQueryCacheRequest, peer_pb2.PeerQueryCacheResponse)
+    transfer_failed = peer_rpc(
+        "TransferFailed", peer_pb2.TransferFailedRequest, peer_pb2.TransferFailedResponse, identity=True, stream=True
+    )
+    release = peer_rpc("Release", peer_pb2.PeerReleaseRequest, peer_pb2.PeerReleaseResponse, identity=True, stream=True)
+    get_digests = peer_rpc("GetDigests", peer_pb2.GetDigestsRequest, peer_pb2.GetDigestsResponse)
+    # Target-side staging: the peer copies a chunk of a held request into a slot of its pool.
+    stage = peer_rpc("Stage", peer_pb2.StageRequest, peer_pb2.StageResponse)
+    trace = peer_rpc("Trace", common_pb2.TraceRequest, common_pb2.TraceResponse)
 
     def clock_offset_ms(self, address: str) -> float:
         """The peer's clock minus ours as estimated at its handshake (0 when never handshaken)."""
         state = self._peers.get(self._key(address))
         return state.clock_offset_ms if state is not None else 0.0
 
-    async def _call(
-        self,
-        address: str,
-        request: Message,
-        local: Callable[[PeerRoutes], Callable[[Any], Awaitable[Message]]],
-        remote: Callable[[peer_pb2_grpc.PeerServiceStub], Callable[..., Awaitable[Message]]],
-        wait_for_ready: bool = True,
-    ) -> Message:
-        """One PeerService call on ``address`` (or on ourselves) with a deadline.
+    async def call(self, rpc: PeerRpc[Req, Resp], address: str, request: Req, wait_for_ready: bool = True) -> Resp:
+        """One PeerService call on ``address`` (or on ourselves) with the row's deadline.
 
         ``wait_for_ready=False`` fails at once (UNAVAILABLE) when nothing listens at ``address``,
         instead of waiting out the deadline for a peer that may be restarting: what a heartbeat
         wants, so a dead peer is detected in heartbeat periods, not periods + call timeouts."""
         if self.is_self(address):
-            return await local(self._routes())(request)
+            handler = getattr(self._routes(), rpc.route)
+            local = await (handler(request, LOCAL) if rpc.identity else handler(request))
+            return cast(Resp, local)
         key = self._key(address)
         stub = await self._channels.stub(address, self._may_close)
         self._in_flight[address] = self._in_flight.get(address, 0) + 1
         failed = False
+        timeout = rpc.timeout(self._settings)
+        deadline = time.monotonic() + timeout
         try:
-            # wait_for_ready: a peer that is restarting (connection refused, channel backing off)
-            # gets until the deadline to come back instead of failing the call at once.
-            response = await remote(stub)(
-                request, timeout=self._settings.peer_call_timeout_seconds, wait_for_ready=wait_for_ready
-            )
+            response: Message | None = None
+            if rpc.stream:
+                response = await self._on_stream(address, stub, rpc, request, timeout)
+            if response is None:
+                # wait_for_ready: a peer that is restarting (connection refused, channel backing
+                # off) gets until the deadline to come back instead of failing the call at once.
+                # A call the stream gave back unsent keeps what is left of its deadline.
+                response = await getattr(stub, rpc.method)(
+                    request, timeout=max(0.0, deadline - time.monotonic()), wait_for_ready=wait_for_ready
+                )
         except grpc.aio.AioRpcError as exc:
-            failed = True
-            self._count_failure(key)
+            # UNIMPLEMENTED is an answer (an older peer without the RPC), not a failing peer.
+            failed = exc.code() != grpc.StatusCode.UNIMPLEMENTED
+            if failed:
+                self._count_failure(key)
             error_type = _STATUS_ERRORS.get(exc.code(), Unavailable)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith(DRAINING):
+                error_type = Draining  # refused before it took effect: the peer did nothing of it
             raise error_type(f"peer {address}: {exc.code().name}: {exc.details()}") from None
         finally:
             self._in_flight[address] -= 1
@@ -317,6 +296,22 @@ class PeerClient:
                     # socket); a later call dials again.
                     await self._channels.close_one(address)
         await self._observe(address, _responder_id(response))
+        return cast(Resp, response)
+
+    async def _on_stream(
+        self, address: str, stub: Any, rpc: PeerRpc[Req, Resp], request: Req, timeout: float
+    ) -> Resp | None:
+        """The call on the peer's stream (``peers.stream``); None: send it unary."""
+        stream = self.streams.get(address, stub, self._channels.connected(address))
+        if stream is None:
+            return None
+        try:
+            answer = await stream.call(rpc.method, request, timeout)
+        except NotSent:
+            return None
+        self.streams.answered(stream)
+        response = rpc.response.FromString(answer)
+        stream.sidecar_id = _responder_id(response)
         return response
 
     def _may_close(self, address: str) -> bool:
@@ -344,6 +339,7 @@ class PeerClient:
         if state.sidecar_id and state.sidecar_id != sidecar_id:
             log.warning("peer_restarted", peer=address, old_sidecar_id=state.sidecar_id, new_sidecar_id=sidecar_id)
             state.sidecar_id = sidecar_id
+            self.streams.forget(address, sidecar_id)
             await self.forget(address, "peer restarted")
         state.sidecar_id = sidecar_id
 
@@ -383,6 +379,7 @@ class PeerClient:
                     handshake_ms=state.handshake_ms,
                     clock_offset_ms=state.clock_offset_ms,
                     consecutive_failures=state.consecutive_failures,
+                    versions=state.versions,
                 )
             )
         return rows
@@ -390,7 +387,13 @@ class PeerClient:
     def failures(self, address: str) -> int:
         return self._failures.get(self._key(address), 0)
 
+    @property
+    def closed(self) -> bool:
+        """Closed (the node stopped): the peer streams we serve end too (``api.peer``)."""
+        return self.streams.closed
+
     async def close(self) -> None:
+        self.streams.close()
         await self._channels.close()
 
 

@@ -2,7 +2,8 @@
 
 The node fills it with the owners' bound methods (handshake -> ``core.handshake``, PushReg,
 Heartbeat, QueryCache, Release and GetDigests -> the producer, TransferFailed -> the consumer,
-Trace -> ``core.trace``); the PeerService servicer (``api.peer``) and the peer client's same-node short cut
+Trace -> ``core.trace``); the PeerService servicer (``api.peer``: each unary RPC, and each call
+on a peer stream) and the peer client's same-node short cut
 (``peers.client``) both call through it, so a call to this sidecar's own address never leaves the
 process and is answered by the same code as one from the network.
 """
@@ -31,5 +32,6 @@ class PeerRoutes:
     release: Callable[[peer_pb2.PeerReleaseRequest, str], Awaitable[peer_pb2.PeerReleaseResponse]]
     get_digests: Callable[[peer_pb2.GetDigestsRequest], Awaitable[peer_pb2.GetDigestsResponse]]
     trace: Callable[[common_pb2.TraceRequest], Awaitable[common_pb2.TraceResponse]]
+    stage: Callable[[peer_pb2.StageRequest], Awaitable[peer_pb2.StageResponse]]
     # A local engine as the other side of a same-node transfer (read from the registry each time).
     local_engine_view: Callable[[str, str], EngineView]

@@ -2,11 +2,13 @@
 
 The child gets its own session (process group) so a kill takes everything it started; readiness
 is a GetStatus answer on its engine socket, which also tells the address it advertises. Every wait
-has a bound.
+has a bound. A sidecar still starting refuses the polls: they are logged at DEBUG, and once, at
+WARNING, only when the bound passes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -18,9 +20,11 @@ from typing import Any
 
 import grpc
 
-from engine_shim.client import engine_channel
+from engine_shim.client import SessionToken, engine_channel
+from kvsidecar.engine_auth import auth_socket_for
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
+log = logging.getLogger("kvsidecar.launcher")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -99,28 +103,37 @@ class DaemonProcess:
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        # One token for every poll: its refusals (a sidecar still starting, or a socket file left
+        # by the one before a restart) are expected until the bound, so they log at DEBUG.
+        token = SessionToken(auth_socket_for(self.socket), timeout=1.0, problem_level=logging.DEBUG)
+        problem = f"no socket at {self.socket}"
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(f"sidecar {self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            status = self._status() if self.socket.exists() else None
-            if status is not None:
-                self.address = status.sidecar.address
-                self.sidecar_id = status.sidecar.sidecar_id
-                self.peer_port = int(self.address.rsplit(":", 1)[1])
-                return
+            if self.socket.exists():
+                status, problem = self._status(token)
+                if status is not None:
+                    self.address = status.sidecar.address
+                    self.sidecar_id = status.sidecar.sidecar_id
+                    self.peer_port = int(self.address.rsplit(":", 1)[1])
+                    return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"sidecar {self.name} not ready within {timeout}s:\n{self.log_tail()}")
+                log.warning("sidecar %s not ready within %ss: %s", self.name, timeout, problem)
+                raise TimeoutError(f"sidecar {self.name} not ready within {timeout}s ({problem}):\n{self.log_tail()}")
             time.sleep(0.05)
 
-    def _status(self) -> engine_pb2.GetStatusResponse | None:
+    def _status(self, token: SessionToken | None = None) -> tuple[engine_pb2.GetStatusResponse | None, str]:
+        """The sidecar's status, or None and why not."""
         try:
-            with engine_channel(self.socket) as channel:
+            with engine_channel(self.socket, token=token) as channel:
                 stub = engine_pb2_grpc.EngineServiceStub(channel)
                 response: engine_pb2.GetStatusResponse = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=1.0)
-                return response
-        except grpc.RpcError:
-            return None
+                return response, ""
+        except grpc.RpcError as exc:
+            if token is not None and token.problem:
+                return None, f"no session token: {token.problem}"
+            return None, str(exc.details())
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -93,6 +93,7 @@ def render_tables(response: engine_pb2.GetStatusResponse) -> str:
         [
             peer.address,
             peer.sidecar_id[:12],
+            peer.versions.kvsidecar or "-",
             ",".join(peer.engine_ids) or "-",
             f"{peer.last_seen_seconds_ago:.1f}s" if peer.last_seen_seconds_ago >= 0 else "-",
             f"{peer.handshake_ms:.1f}",
@@ -102,7 +103,7 @@ def render_tables(response: engine_pb2.GetStatusResponse) -> str:
     ]
     out.append("PEERS")
     out.append(
-        _table(["address", "sidecar", "engines", "last seen", "handshake ms", "failures"], peer_rows)
+        _table(["address", "sidecar", "version", "engines", "last seen", "handshake ms", "failures"], peer_rows)
         if peer_rows
         else "  (none)"
     )

@@ -14,7 +14,8 @@ Other addresses are host memory (the sidecar's shm mappings, pinned host buffers
 What it is not: CUDA. No device, no DMA, no asynchrony unless told. Tests control it:
 - ``has_batch``: False stands for a driver older than CUDA 12.8 (one cuMemcpyAsync per run);
 - ``hang``: True makes every copy enqueued from then on never run and its event never complete
-  (a GPU that hangs), for deadline tests;
+  (a GPU that hangs), for deadline tests; ``release()`` lets the device get going again: the
+  held copies run then, in stream order, and their events complete (a late copy landing);
 - ``batch_launches``: the driver calls each ``batch_copy`` made (one entry per recorded event);
   ``opens``/``closes``: the handles opened and closed, in order; ``calls``: "close" and
   "event_done"/"event_abandoned" in the order they happened (what ran before what).
@@ -112,6 +113,8 @@ class FakeCudaDriver:
     _events: dict[int, _Event] = field(default_factory=dict)
     _event_ids: Iterator[int] = field(default_factory=lambda: itertools.count(0x7001))
     _aliases: list[_Alias] = field(default_factory=list)
+    # stream -> what a hung stream holds, in order: ("copy", runs) or ("event", id)
+    _held: dict[int, list[tuple[str, object]]] = field(default_factory=dict)
 
     # --- test controls ---
 
@@ -121,6 +124,25 @@ class FakeCudaDriver:
 
     def __enter__(self) -> FakeCudaDriver:
         return self.install()
+
+    def release(self) -> None:
+        """The hung device gets going again: every held copy runs now (memmove, checked as when
+        enqueued) and the events recorded after them complete."""
+        self.hang = False
+        for stream, held in self._held.items():
+            self._streams[stream] = False
+            error = ""
+            for kind, item in held:
+                if kind == "copy":
+                    error = error or self._run(item)  # type: ignore[arg-type]
+                elif item in self._events:
+                    self._events[item] = _Event(ready=True, error=error)  # type: ignore[index]
+        self._held.clear()
+
+    @property
+    def held_copies(self) -> int:
+        """Copies enqueued on a hung stream that have not run."""
+        return sum(kind == "copy" for held in self._held.values() for kind, _ in held)
 
     def __exit__(self, *exc: object) -> None:
         cuda_ipc.set_driver_for_tests(None)
@@ -203,6 +225,8 @@ class FakeCudaDriver:
     def record_event(self, stream: int) -> int:
         event = next(self._event_ids)  # never the id of a live event (destroyed ones leave gaps)
         self._events[event] = _Event(ready=not self._streams[stream], error=self._errors.pop(stream, ""))
+        if self._streams[stream]:
+            self._held.setdefault(stream, []).append(("event", event))
         self.batch_launches.append(self._since_event.pop(stream, 0))
         return event
 
@@ -233,14 +257,20 @@ class FakeCudaDriver:
         if self.hang:
             self._streams[stream] = True  # this copy and everything after it on the stream never ends
         if self._streams[stream]:
+            self._held.setdefault(stream, []).append(("copy", runs))
             return
+        error = self._run(runs)
+        if error:
+            self._errors[stream] = error
+
+    def _run(self, runs: list[tuple[int, int, int]]) -> str:
         for dst, src, nbytes in runs:
             if not (self._valid(dst, nbytes) and self._valid(src, nbytes)):
-                self._errors[stream] = _ILLEGAL_ADDRESS
-                return
+                return _ILLEGAL_ADDRESS
         for dst, src, nbytes in runs:
             ctypes.memmove(dst, src, nbytes)
             self.copies.append((dst, src, nbytes))
+        return ""
 
     def _valid(self, address: int, nbytes: int) -> bool:
         """Host memory, or wholly inside one live allocation or open alias of one."""

@@ -115,7 +115,7 @@ class FakeTransport:
             result = await self._transfer(spec)
         finally:
             self._in_flight -= 1
-        if result.ok:
+        if result.ok and getattr(spec, "observed", True):
             self._on_xfer_done(spec.op, result)
         return result
 
@@ -133,11 +133,12 @@ class FakeTransport:
     def unstage(self, staging: Staging) -> None:
         staging.busy = False
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """The range joins the agent's registered regions (once)."""
         agent = self._fabric.agents[agent_name]
         if (address, nbytes, 0) not in agent.regions:
             agent.regions.append((address, nbytes, 0))
+        return f"fake-metadata:{agent_name}".encode()
 
     async def _transfer(self, spec: TransferSpec | RunsSpec) -> TransferResult:
         if spec.not_after is not None and time.monotonic() > spec.not_after:

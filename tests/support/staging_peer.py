@@ -9,6 +9,10 @@
   plane's host staging (``sidecar.dataplane.host_staging``) over a real ``NixlTransport``. Its NIXL
   agent registers no memory of its own, so every byte crosses NIXL through the pinned pool. Writes
   what happened per case to ``DIR/results.json`` (bytes compared, copy launches, trace, errors).
+- target-side staging (case ``pull-gpu``): the target also holds "Pg", the bytes of "P" in its
+  own ``FakeCudaDriver`` "GPU memory", behind an agent that registers NOTHING but the target's
+  pinned pool (``target_staging.StagingServer``), and serves ``PeerService.Stage`` over real gRPC
+  (port in ``DIR/stage.port``): every byte the initiator gets must come through both pools.
 - ``measure DIR``: the same bytes through host staging and through today's engine-side staging
   (the engine copies its whole KV to a host buffer, then one NIXL WRITE), median of several runs.
 
@@ -30,26 +34,33 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 
 from engine_shim.memory import SharedBuffer
-from kvsidecar.v1 import peer_pb2
+from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
 from sidecar.config import HostStagingSettings, NixlSettings
-from sidecar.dataplane.contract import RemoteAgent, RunsSpec
-from sidecar.dataplane.host_staging import HostStaging
+from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, XferDoneCallback
+from sidecar.dataplane.host_staging import HostStaging, PinnedPool
 from sidecar.dataplane.plan.convert import Side, block_shape, logical_tokens
 from sidecar.dataplane.plan.layout import RegionLayout, WorkerLayout
 from sidecar.dataplane.plane import DataPlane, EngineView, LocalWorker, TransferJob, WorkerView
+from sidecar.dataplane.target_staging import StagingServer, unpack_rows
 from sidecar.dataplane.transport import NixlTransport
+from sidecar.errors import SidecarError
 from tests.support.fake_cuda import FakeCudaDriver
 
 LAYERS, BLOCKS, HEADS, CHUNK = 4, 64, 4, 64  # CHUNK: bytes per (token, head)
 TOKENS = 600
 # The peer's layouts: "P" like the local engine (byte for byte), "Pc" another layout and block size.
-PEER_LAYOUTS = {"P": ("HND", 16), "Pc": ("NHD", 32)}
+PEER_LAYOUTS = {"P": ("HND", 16), "Pc": ("NHD", 32), "Pg": ("HND", 16)}
 LOCAL_LAYOUT = ("HND", 16)
 STAGING = HostStagingSettings(pool_bytes=1 << 20, chunk_bytes=64 << 10, slots=3)
 CASES = ("pull", "push", "pull-convert", "push-convert", "pull-hang")
+# Needs the target's gRPC port on loopback (not in the namespaces test).
+TARGET_CASES = ("pull-gpu",)
+# The stuck copy of "pull-hang" (deadline 1.5 s) is released this long after the post.
+HANG_RELEASE_S = 3.5
 
 
 def layout(base: int, kv_layout: str, block_size: int, blocks: int = BLOCKS, device_id: int = 0) -> WorkerLayout:
@@ -86,29 +97,72 @@ async def target(directory: Path) -> None:
         meta = await transport.create_agent(name, [(int(memory.ctypes.data), memory.size, 0)], "DRAM")
         (directory / f"{name}.base").write_text(str(int(memory.ctypes.data)))  # its address there
         (directory / f"{name}.meta").write_bytes(meta)
-    transport.expect_notifications(1)
-    (directory / "target.ready").touch()
-    until = time.monotonic() + 120
-    while not (directory / "stop").exists() and time.monotonic() < until:
-        await asyncio.sleep(0.05)
-    await transport.stop()
+    with FakeCudaDriver() as fake:
+        server = await serve_stage(directory, transport, fake, memories["P"])
+        transport.expect_notifications(1)
+        (directory / "target.ready").touch()
+        until = time.monotonic() + 120
+        while not (directory / "stop").exists() and time.monotonic() < until:
+            await asyncio.sleep(0.05)
+        await server.stop(0)
+        await transport.stop()
+
+
+class _StageOnly(peer_pb2_grpc.PeerServiceServicer):
+    """PeerService with only Stage, over a ``StagingServer`` for one fake-GPU worker."""
+
+    def __init__(self, server: StagingServer, regions: list[tuple[int, int]]) -> None:
+        self._server, self._regions = server, regions
+
+    async def Stage(self, request: peer_pb2.StageRequest, context: Any) -> peer_pb2.StageResponse:
+        self._server.give_back(list(request.done_slots))
+        if not request.rows:
+            return peer_pb2.StageResponse()
+        try:
+            staged = await self._server.stage(0, self._regions, unpack_rows(request.rows), request.timeout_seconds)
+        except SidecarError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        return peer_pb2.StageResponse(slot=staged.slot, address=staged.address)
+
+
+async def serve_stage(directory: Path, transport: NixlTransport, fake: FakeCudaDriver, source: np.ndarray) -> Any:
+    """The "Pg" worker: P's bytes in fake GPU memory, its agent registering only the pool."""
+    gpu = fake.allocate(source.size)
+    gpu.view()[:] = source
+    pool = PinnedPool(STAGING.pool_bytes, STAGING.chunk_bytes)
+    base = await pool.ready()
+    await transport.create_agent("Pg", [], "DRAM")
+    (directory / "Pg.meta").write_bytes(await transport.register_host("Pg", base, pool.nbytes))
+    (directory / "Pg.base").write_text(str(gpu.pointer))
+    (directory / "Pg.pool").write_text(json.dumps([base, pool.nbytes, pool.chunk_bytes]))
+    server = grpc.aio.server()
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(
+        _StageOnly(StagingServer(pool), [(gpu.pointer, gpu.nbytes)]), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    (directory / "stage.port").write_text(str(port))
+    return server
 
 
 # --- initiator ---------------------------------------------------------------------------------
 
 
 class Initiator:
-    def __init__(self, directory: Path, fake: FakeCudaDriver, transport: NixlTransport) -> None:
+    def __init__(
+        self, directory: Path, fake: FakeCudaDriver, transport: NixlTransport, observe: XferDoneCallback | None = None
+    ) -> None:
         self.directory = directory
         self.spec = json.loads((directory / "spec.json").read_text())
         self.fake = fake
         self.transport = transport
         self.staging = HostStaging(transport, STAGING)
-        self.plane = DataPlane(transport, "sidecar-d", host_staging=self.staging)
+        self.plane = DataPlane(transport, "sidecar-d", host_staging=self.staging, on_xfer_done=observe)
         kv_layout, block_size = LOCAL_LAYOUT
         self.gpu = fake.allocate(region_size(block_size))
         self.local = layout(self.gpu.pointer, kv_layout, block_size)
         self.peers = {name: np.memmap(path, dtype=np.uint8, mode="r") for name, path in self.spec["files"].items()}
+        self.peers["Pg"] = self.peers["P"]  # the target's fake GPU holds P's bytes
 
     def peer_layout(self, name: str, here: bool = False) -> WorkerLayout:
         """The peer's layout at its addresses in the target process (``here``: in this one)."""
@@ -118,12 +172,25 @@ class Initiator:
 
     def view(self, name: str) -> EngineView:
         agent = RemoteAgent(name, (self.directory / f"{name}.meta").read_bytes())
-        worker = WorkerView(self.peer_layout(name), agent, "DRAM")
+        if name != "Pg":
+            worker = WorkerView(self.peer_layout(name), agent, "DRAM")
+            return EngineView(name, "target", "sidecar-p", 1, 1, "", "", (worker,))
+        address, length, chunk = json.loads((self.directory / "Pg.pool").read_text())
+        worker = WorkerView(self.peer_layout(name), agent, "VRAM", staging_pool=(address, length, chunk))
+        if self.plane.stage_remote is None:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{(self.directory / 'stage.port').read_text()}")
+            stub = peer_pb2_grpc.PeerServiceStub(channel)
+
+            async def stage(address: str, request: peer_pb2.StageRequest) -> peer_pb2.StageResponse:
+                response: peer_pb2.StageResponse = await stub.Stage(request, timeout=10)
+                return response
+
+            self.plane.stage_remote = stage
         return EngineView(name, "target", "sidecar-p", 1, 1, "", "", (worker,))
 
     async def run(self, case: str) -> dict[str, Any]:
         op = "READ" if case.startswith("pull") else "WRITE"
-        peer = "Pc" if "convert" in case else "P"
+        peer = "Pc" if "convert" in case else ("Pg" if "gpu" in case else "P")
         peer_layout = self.peer_layout(peer)
         p_blocks = list(range(3, 3 + -(-TOKENS // peer_layout.block_size)))
         d_blocks = list(reversed(range(BLOCKS - -(-TOKENS // self.local.block_size), BLOCKS)))
@@ -144,6 +211,13 @@ class Initiator:
             ),
         )  # fmt: skip
         started = time.monotonic()
+        held_during: list[int] = []
+        if case.endswith("hang"):
+            # Past the deadline the stuck copy is held (the engine's blocks with it); then the
+            # device gets going again and the copy lands late, in blocks the engine does not have.
+            loop = asyncio.get_running_loop()
+            loop.call_later(HANG_RELEASE_S - 0.5, lambda: held_during.append(self.plane.late_copies.copies))
+            loop.call_later(HANG_RELEASE_S, self.fake.release)
         outcome = await self.plane.run(job)
         elapsed = time.monotonic() - started
         notified = await self.notified(case, 10.0 if outcome.ok else 1.0)
@@ -159,6 +233,7 @@ class Initiator:
         )
         return {
             "ok": outcome.ok,
+            "op": op,
             "error": outcome.error,
             "bytes": outcome.bytes,
             "elapsed_s": elapsed,
@@ -166,6 +241,8 @@ class Initiator:
             "notifications": notified,
             "launches": self.fake.batch_launches[launches_before:],
             "held_slots": self.staging.pool.held_slots,
+            "copies_held_before_release": held_during[0] if held_during else None,
+            "copies_held_after": self.plane.late_copies.copies,
             "steps": steps,
         }
 
@@ -192,14 +269,20 @@ class Initiator:
 
 async def initiator(directory: Path, cases: list[str]) -> None:
     await wait_ready(directory)
-    transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
+    observed: list[list[Any]] = []  # (op, path, bytes) as the node's transfer metrics get them
+
+    def observe(op: str, result: TransferResult, path: str = "nixl") -> None:
+        observed.append([op, path, result.bytes])
+
+    transport = NixlTransport(NixlSettings(), lambda batch, seen_at: None, observe)
     transport.start(asyncio.get_running_loop())
     results: dict[str, Any] = {}
     with FakeCudaDriver() as fake:
         await transport.create_agent("D", [], "DRAM")  # no memory of its own: only the pool moves
-        initiator = Initiator(directory, fake, transport)
+        initiator = Initiator(directory, fake, transport, observe)
         for case in cases:
             results[case] = await initiator.run(case)
+            results[case]["observed"], observed[:] = list(observed), []
         await transport.stop()
     (directory / "results.json").write_text(json.dumps(results, indent=1))
 
@@ -288,7 +371,7 @@ REPO = Path(__file__).resolve().parents[2]
 def peer_memory(directory: Path, seed: int, measure_blocks: int = 0, block_len: int = 0) -> Iterator[dict[str, Any]]:
     """The peer engine's KV files ("P", "Pc"; random bytes), named in ``DIR/spec.json``; with
     ``measure_blocks``, "P" is sized for ``measure`` instead. Removed on exit."""
-    sizes = {name: region_size(block_size) for name, (_, block_size) in PEER_LAYOUTS.items()}
+    sizes = {name: region_size(block_size) for name, (_, block_size) in PEER_LAYOUTS.items() if name != "Pg"}
     if measure_blocks:
         sizes = {"P": LAYERS * measure_blocks * block_len}
     with contextlib.ExitStack() as stack:

@@ -56,6 +56,7 @@ class Split:
     outstanding: int = 0
     total: TransferResult = field(default_factory=lambda: TransferResult(True))
     failure: TransferResult | None = None
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
     def ready(self) -> bool:
         """Whether a chunk may be posted now: the last one only once every other is DONE."""

@@ -32,6 +32,7 @@ class Post:
     split: Split | None = None  # the transfer this post is a chunk of
     queued: float = 0.0  # when the loop queued the command (0: not measured)
     posted: float = 0.0  # when the post returned
+    observed: bool = True  # reported to on_xfer_done (RunsSpec.observed)
 
     def release(self) -> bool:
         try:

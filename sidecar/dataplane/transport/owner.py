@@ -191,9 +191,10 @@ class NixlTransport:
         """Give a staging buffer back; only once no transfer on it can still be in flight."""
         self._commands.put((self._return_staging, (staging,), concurrent.futures.Future()))
 
-    async def register_host(self, agent_name: str, address: int, nbytes: int) -> None:
+    async def register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
         """Register caller-owned host memory with an agent as DRAM, once (see ``Transport``)."""
-        await self._call(self._register_host, agent_name, address, nbytes)
+        metadata: bytes = await self._call(self._register_host, agent_name, address, nbytes)
+        return metadata
 
     async def notify(self, agent_name: str, remote: RemoteAgent, payload: bytes) -> None:
         await self._call(self._notify, agent_name, remote, payload)
@@ -366,7 +367,7 @@ class NixlTransport:
         if xfer.split is not None:
             self._splits.chunk_done(xfer.split, result)
             return
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and xfer.observed:
             self._on_xfer_done(xfer.op, result)
         self._complete(xfer.future, result)
 
@@ -410,7 +411,7 @@ class NixlTransport:
         self._launch(split.owner, split.agent_name, split.op, handle, split.deadline, split.future, now, split)
 
     def _end_split(self, split: Split, result: TransferResult) -> None:
-        if self._on_xfer_done is not None:
+        if self._on_xfer_done is not None and split.observed:
             self._on_xfer_done(split.op, result)
         self._complete(split.future, result)
 
@@ -506,6 +507,7 @@ class NixlTransport:
         """Post ``spec`` in one post or in chunks; ``setup(agent)`` gives the byte length of each
         descriptor and ``make(rows, notification)``, which creates the handle for some rows."""
         now = time.monotonic()
+        observed = not isinstance(spec, RunsSpec) or spec.observed  # reported to on_xfer_done
         if spec.not_after is not None and now > spec.not_after:
             self._complete(future, TransferResult(False, NOT_POSTED_LATE))
             return _DEFERRED
@@ -518,12 +520,15 @@ class NixlTransport:
             sizes, make = setup(state)
             split = self._split(state, spec, future, sizes, make)
             if split is not None:
+                split.observed = observed
                 return self._start_split(split)
             handle = make(slice(None), spec.notification)
         except Exception as exc:
             self._complete(future, TransferResult(False, f"transfer setup failed: {exc}", peer_gone=is_disconnect(exc)))
             return _DEFERRED
-        return self._launch(state, spec.agent_name, spec.op, handle, spec.deadline, future, now, queued=queued)
+        return self._launch(
+            state, spec.agent_name, spec.op, handle, spec.deadline, future, now, queued=queued, observed=observed
+        )
 
     def _launch(
         self,
@@ -536,8 +541,9 @@ class NixlTransport:
         now: float,
         split: Split | None = None,
         queued: float = 0.0,
+        observed: bool = True,
     ) -> object:
-        xfer = Post(agent_name, handle, op, deadline, future, now, split=split, queued=queued)
+        xfer = Post(agent_name, handle, op, deadline, future, now, split=split, queued=queued, observed=observed)
         xfer_id = next(self._ids)
         self._in_flight[xfer_id] = xfer
         try:
@@ -576,8 +582,10 @@ class NixlTransport:
     def _lend_staging(self, agent_name: str, nbytes: int) -> Staging:
         return self._agent(agent_name).lend_staging(nbytes)
 
-    def _register_host(self, agent_name: str, address: int, nbytes: int) -> None:
-        self._agent(agent_name).register_host(address, nbytes)
+    def _register_host(self, agent_name: str, address: int, nbytes: int) -> bytes:
+        state = self._agent(agent_name)
+        state.register_host(address, nbytes)
+        return bytes(state.agent.get_agent_metadata())  # with the range: what peers need to READ it
 
     @staticmethod
     def _return_staging(staging: Staging) -> None:
