@@ -1,10 +1,11 @@
 """What the owner thread hands to the event loop: transfer results and notifications, coalesced.
 
 The owner thread queues each transfer's result and each poll's batch of notifications here, and
-``flush``es once per turn of its loop: one ``loop.call_soon_threadsafe`` (one write to the loop's
-self-pipe, one wake-up of the loop) carries everything queued since the last delivery, and none is
-scheduled while one is still pending, so under load the loop wakes once for many results and
-notifications instead of once per transfer (``asyncio.wrap_future``'s way) and once per poll. The
+``flush``es after each command and each poll: one ``loop.call_soon_threadsafe`` (one write to the
+loop's self-pipe, one wake-up of the loop) carries everything queued since the last delivery, and
+none is scheduled while one is still pending, so an idle loop gets a result at once and a busy one
+wakes once for many results and notifications instead of once per transfer
+(``asyncio.wrap_future``'s way) and once per poll. The
 loop thread runs ``_deliver``, in the order things were queued.
 """
 

@@ -17,8 +17,8 @@ Threads:
   and notifications, right away after activity and backing off to ``poll_interval_max``
   (``next_poll_delay``; 10 ms when it only lets a peer that just handshaked wire up); with
   nothing in flight it blocks on the command queue and uses no CPU.
-- Transfer results and notifications reach the loop through the outbox, flushed once per turn of
-  the owner loop: one ``loop.call_soon_threadsafe`` per delivery, none while one is pending.
+- Transfer results and notifications reach the loop through the outbox, flushed after each
+  command and poll: one ``loop.call_soon_threadsafe`` per delivery, none while one is pending.
 
 Large transfers are posted in chunks of at most ``max_post_bytes``, round robin between
 transfers (``chunks.ChunkScheduler``, which says why); the agents' tables (registrations, remote
@@ -79,10 +79,10 @@ log = get_logger("kvsidecar.transport")
 _POST_SPIN_S = 0.00005
 _NOTHING = object()  # "no command" marker in the owner loop
 _DEFERRED = object()  # a command body that completes its future later
-# Wakes the parked owner thread for a new expectation or warm period. It counts as activity, so
-# polling starts hot (50 us for 2 ms): treating it as the warm cadence (~200 us) saved D's owner
-# thread 9 of 26 wake-ups per push at 100 req/s and 0.4 ms of D's CPU, but cost push 0.25 ms of
-# latency p50 (P's WRITE notification arrives within those 2 ms), so it stays hot.
+# Wakes the owner thread for a rise of the expected count or a warm period (no command body, no
+# future). It counts as activity, so polling starts hot (50 us for 2 ms). Waking only an idle owner
+# thread measured pulls 0.25-0.5 ms slower (control p50, two invocations), and starting at the warm
+# cadence cost push 0.25 ms of latency p50 to save 9 of D's ~26 owner wake-ups per push.
 _WAKE = object()
 
 
@@ -117,8 +117,6 @@ class NixlTransport:
         self._ids = itertools.count()
         self._expecting = 0
         self._warm_until = 0.0
-        self._lock = threading.Lock()  # the two above and _parked: changed from the loop thread
-        self._parked = False  # the owner thread sleeps with nothing in flight or expected
         self._thread: threading.Thread | None = None
         self._post_priority = PostPriority(settings.post_priority)
 
@@ -200,25 +198,18 @@ class NixlTransport:
         await self._call(self._notify, agent_name, remote, payload)
 
     def expect_notifications(self, delta: int) -> None:
-        """Count of things waiting for notifications; polling continues while it is > 0. Not a
-        command: the owner thread is woken only from its idle sleep, when the count rises."""
-        with self._lock:
-            self._expecting = max(0, self._expecting + delta)
-            self._wake_if_parked(delta > 0)
+        """Count of things waiting for notifications; polling continues while it is > 0. Only
+        the loop thread writes the count; a rise wakes the owner thread (``_WAKE``), a fall does
+        not: the owner thread sees it at its next poll."""
+        self._expecting = max(0, self._expecting + delta)
+        if delta > 0:
+            self._commands.put(_WAKE)
 
     def warm(self, seconds: float) -> None:
         """Poll for a while even with nothing expected, e.g. so a peer that just handshaked can
         connect to our agents (UCX wire-up needs both sides to progress)."""
-        with self._lock:
-            self._warm_until = max(self._warm_until, time.monotonic() + seconds)
-            self._wake_if_parked(True)
-
-    def _wake_if_parked(self, needed: bool) -> None:
-        # Under self._lock. The owner thread parks under it too, after reading the counts, so a
-        # rise either is seen by it before it parks or finds it parked and wakes it.
-        if needed and self._parked:
-            self._parked = False
-            self._commands.put(_WAKE)
+        self._warm_until = max(self._warm_until, time.monotonic() + seconds)
+        self._commands.put(_WAKE)
 
     async def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -232,10 +223,9 @@ class NixlTransport:
         delay = MIN_DELAY_S
         last_activity = time.monotonic()
         while True:
-            if self._park():
+            if not self._is_active():
                 self._post_priority.lower()
                 item = self._commands.get()  # nothing in flight or expected: sleep until told
-                self._parked = False
             elif self._splits and self._splits.any_ready():
                 item = self._next_command()  # a chunk is ready: take what is queued, do not sleep
             else:
@@ -252,6 +242,7 @@ class NixlTransport:
                     return  # stop sentinel
                 if item is not _WAKE:
                     self._execute(*item)
+                    self._outbox.flush()  # a result found in the post's spin goes now, not after the batch
                 worked = True
                 try:
                     item = self._commands.get_nowait()
@@ -269,12 +260,6 @@ class NixlTransport:
                 delay = next_poll_delay(
                     delay, now - last_activity, self._settings.poll_interval_max_ms / 1000.0, not self._expects_work()
                 )
-
-    def _park(self) -> bool:
-        """Whether nothing is in flight or expected; then the thread parks until a command."""
-        with self._lock:
-            self._parked = not self._is_active()
-            return self._parked
 
     def _next_command(self) -> Any:
         try:
