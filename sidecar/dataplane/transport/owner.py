@@ -9,8 +9,8 @@ Threads:
 - The event loop thread calls the ``async`` methods. Each enqueues a command on ``self._commands``
   and awaits a future that the owner thread completes: a transfer's through the outbox
   (``handoff.LoopOutbox``), other commands' as a ``concurrent.futures.Future``.
-  ``expect_notifications`` and ``warm`` are not commands: they change counts under a lock and wake
-  the owner thread only from its idle sleep, so they cost a request no extra wake-up.
+  ``expect_notifications`` and ``warm`` are not commands: they change counts; a rise wakes the
+  owner thread (``_WAKE``), a fall does not (it is seen at the next poll).
 - The owner thread (``kvsidecar-nixl``) executes commands, posts transfers and polls. NIXL's own
   progress thread is disabled (with NIXL's hard-coded zero delay it spins a core per agent), so
   this thread drives progress: while anything is in flight or expected it polls transfer states
