@@ -131,6 +131,31 @@ def test_pull_moves_the_producers_blocks_and_frees_them(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_a_notification_goes_to_the_side_it_names(tmp_path: Path) -> None:
+    """A notice naming a push (a producer's WRITE ended) is the consumer side's alone: it does not
+    end a pull the producer side holds under the same key; one naming a pull does, and so does an
+    older sidecar's, which names no mode."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path) as h:
+            worker = h.node.registry.worker(P, 0, 0)
+            assert worker is not None
+
+            def notify(request_id: str, mode: int) -> None:
+                notice = peer_pb2.TransferNotice(engine_id=P, request_id=request_id, expected=1, mode=mode)
+                h.node._on_notifications([(worker.agent_name, notice.SerializeToString())])
+
+            for request_id, mode in (("req-1", common_pb2.TRANSFER_MODE_PULL), ("req-2", 0)):
+                await h.node.producer.submit(SidecarClient.submit_request(P, request_id, [[3, 4]]))
+                notify(request_id, common_pb2.TRANSFER_MODE_PUSH)
+                assert (P, request_id) in h.node.producer.requests, "a WRITE's notice ended a pull"
+                notify(request_id, mode)
+                sent = await h.next_event(P)
+                assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == request_id
+
+    run(scenario)
+
+
 def test_push_writes_into_the_consumers_blocks_whichever_side_comes_first(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with harness(tmp_path) as h:

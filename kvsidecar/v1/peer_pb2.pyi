@@ -329,17 +329,19 @@ class PeerReleaseResponse(_message.Message):
     def __init__(self, sidecar_id: _Optional[str] = ..., found: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class TransferNotice(_message.Message):
-    __slots__ = ("engine_id", "request_id", "expected", "sender_sidecar_id", "transfer_id", "digests")
+    __slots__ = ("engine_id", "request_id", "expected", "sender_sidecar_id", "transfer_id", "digests", "mode")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
     SENDER_SIDECAR_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     expected: int
     sender_sidecar_id: str
     transfer_id: str
     digests: KvDigests
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., expected: _Optional[int] = ..., sender_sidecar_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., digests: _Optional[_Union[KvDigests, _Mapping]] = ...) -> None: ...
+    mode: _common_pb2.TransferMode
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., expected: _Optional[int] = ..., sender_sidecar_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., digests: _Optional[_Union[KvDigests, _Mapping]] = ..., mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ...) -> None: ...

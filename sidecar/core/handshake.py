@@ -13,7 +13,7 @@ from sidecar.core import validation
 from sidecar.core.arrivals import await_engine
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine
-from sidecar.dataplane.plane import EngineView
+from sidecar.dataplane.views import EngineView
 from sidecar.errors import FailedPrecondition, NotFound
 from sidecar.logs import get_logger
 from sidecar.metrics import SidecarMetrics

@@ -38,6 +38,7 @@ from sidecar.core.context import Identity, NodeContext, Tasks
 from sidecar.core.events import WorkerEvents
 from sidecar.core.handshake import Handshakes
 from sidecar.core.holds import Holds
+from sidecar.core.notices import side_for
 from sidecar.core.producer import ProducerSide
 from sidecar.core.registration import Registrations
 from sidecar.core.registry import Registry
@@ -216,9 +217,9 @@ class Node:
             if notice.engine_id != worker.engine_id:
                 log.warning("misrouted_notification", agent=agent_name, engine_id=notice.engine_id)
                 continue
-            if not (
-                self.consumer.on_notice(worker, notice, seen_at) or self.producer.on_notice(worker, notice, seen_at)
-            ):
+            side = side_for(notice.mode, self.consumer.holds_push((notice.engine_id, notice.request_id)))
+            part = self.consumer if side == "consumer" else self.producer
+            if not part.on_notice(worker, notice, seen_at):
                 log.warning(
                     "notification_for_unknown_request",
                     engine_id=notice.engine_id,

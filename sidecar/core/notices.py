@@ -4,13 +4,30 @@ A transfer between TP groups sends each local worker one notification per peer w
 its blocks; the sender says how many to expect in every notification. A request is complete when
 every local worker of its engine has heard all it expects. Pure bookkeeping, no I/O; used by the
 producer (pull: the consumer's READs ended) and the consumer (push: the producer's WRITEs ended)
-on the event loop thread.
+on the event loop thread; ``side_for`` says which of the two a notification is for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
+
+from kvsidecar.v1 import common_pb2
+
+Side = Literal["producer", "consumer"]
+
+
+def side_for(mode: int, holds_push: bool) -> Side:
+    """The one side of this sidecar a notification is for, from what it names (``TransferNotice.
+    mode``): PULL, a consumer's READ from our engine ended -> the producer; PUSH, a producer's
+    WRITE into it ended -> the consumer. An older sidecar's notice names no mode: the consumer if
+    it holds a push for the request (``holds_push``), else the producer (their READs)."""
+    if mode == common_pb2.TRANSFER_MODE_PULL:
+        return "producer"
+    if mode == common_pb2.TRANSFER_MODE_PUSH:
+        return "consumer"
+    return "consumer" if holds_push else "producer"
 
 
 @dataclass

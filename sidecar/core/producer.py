@@ -522,7 +522,7 @@ class ProducerSide:
             self._by_transfer[(pending.engine_id, pending.transfer_id)] = pending.key
         self.leases.set(pending.key, time.monotonic() + pending.lease_seconds)
         if pending.accepts_pull:
-            self._ctx.transport.expect_notifications(1)
+            self._ctx.dataplane.expect_notifications(1)
         self._ctx.metrics.leases.set(len(self.leases))
 
     def finish(self, pending: ProducerRequest, kind: int, reason: str = "", hold_end: str = "released") -> None:
@@ -535,7 +535,7 @@ class ProducerSide:
         self.leases.cancel(pending.key)
         self.push.forget(pending)
         if pending.accepts_pull:
-            self._ctx.transport.expect_notifications(-1)
+            self._ctx.dataplane.expect_notifications(-1)
         if pending.held:
             self._holds.release(pending.key, hold_end)
         self._ctx.metrics.leases.set(len(self.leases))

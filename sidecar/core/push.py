@@ -27,7 +27,7 @@ from sidecar.core.registry import PRODUCER_ROLES, Engine
 from sidecar.core.timers import DeadlineTimer
 from sidecar.dataplane.integrity import DigestSpan
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
-from sidecar.dataplane.plane import TransferJob
+from sidecar.dataplane.views import TransferJob
 from sidecar.errors import FailedPrecondition, InvalidArgument, NotFound, SidecarError
 from sidecar.logs import get_logger
 

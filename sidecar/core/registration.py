@@ -30,7 +30,7 @@ from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine, Worker, worker_id
 from sidecar.dataplane.memory import ExportSpec, MappedMemory, MemoryImporter
 from sidecar.dataplane.plan.layout import RegionLayout
-from sidecar.dataplane.plane import worker_layout
+from sidecar.dataplane.views import worker_layout
 from sidecar.errors import DRAINING, Draining, FailedPrecondition, NotFound, PermissionDenied, ResourceExhausted
 from sidecar.logs import get_logger
 

@@ -17,7 +17,7 @@ from sidecar.dataplane import device_copy
 from sidecar.dataplane.contract import RemoteAgent
 from sidecar.dataplane.memory import MappedMemory
 from sidecar.dataplane.plan.layout import WorkerLayout
-from sidecar.dataplane.plane import EngineView, LocalWorker, WorkerView
+from sidecar.dataplane.views import EngineView, LocalWorker, WorkerView
 from sidecar.errors import FailedPrecondition, NotFound, PermissionDenied
 
 WorkerKey = tuple[str, int, int]  # (engine_id, pp_rank, tp_rank)

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar.core.matching import base_request_id
-from sidecar.dataplane.plane import StepHook
+from sidecar.dataplane.views import StepHook
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
 from sidecar.peers.client import PeerClient
 

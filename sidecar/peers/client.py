@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar import peer_features
 from sidecar.config import Settings
-from sidecar.dataplane.plane import EngineView, view_from_descriptor
+from sidecar.dataplane.views import EngineView, view_from_descriptor
 from sidecar.errors import (
     DRAINING,
     DeadlineExceeded,

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvsidecar.v1 import common_pb2, peer_pb2
-from sidecar.dataplane.plane import EngineView
+from sidecar.dataplane.views import EngineView
 
 # The identity of a call this sidecar makes to its own address (never leaves the process).
 LOCAL = ""

@@ -48,9 +48,10 @@ from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, Xf
 from sidecar.dataplane.host_staging import HostStaging, PinnedPool
 from sidecar.dataplane.plan.convert import Side, block_shape, logical_tokens
 from sidecar.dataplane.plan.layout import RegionLayout, WorkerLayout
-from sidecar.dataplane.plane import DataPlane, EngineView, LocalWorker, TransferJob, WorkerView
+from sidecar.dataplane.plane import DataPlane
 from sidecar.dataplane.target_staging import StagingServer, unpack_rows
 from sidecar.dataplane.transport import NixlTransport
+from sidecar.dataplane.views import EngineView, LocalWorker, TransferJob, WorkerView
 from sidecar.errors import SidecarError
 from tests.support.fake_cuda import FakeCudaDriver
 

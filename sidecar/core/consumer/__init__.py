@@ -113,6 +113,11 @@ class ConsumerSide:
     def on_notice(self, worker: Worker, notice: peer_pb2.TransferNotice, seen_at: float = 0.0) -> bool:
         return self.push.on_notice(worker, notice, seen_at)
 
+    def holds_push(self, key: RequestKey) -> bool:
+        """Whether ``key`` names a push this side waits for (a mode-less notice's route)."""
+        pending = self.table.requests.get(key)
+        return pending is not None and pending.is_push
+
     async def heartbeat_once(self) -> None:
         await self.keepalive.heartbeat_once()
 

@@ -46,7 +46,7 @@ from sidecar.core.context import NodeContext
 from sidecar.core.registry import CONSUMER_ROLES
 from sidecar.core.timers import DeadlineTimer
 from sidecar.dataplane.plan.layout import BlockIds
-from sidecar.dataplane.plane import EngineView
+from sidecar.dataplane.views import EngineView
 from sidecar.errors import InvalidArgument, SidecarError
 from sidecar.peers.addresses import normalize_address
 

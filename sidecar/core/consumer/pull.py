@@ -27,7 +27,7 @@ from sidecar.core.consumer.table import (
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine
 from sidecar.dataplane.plan.layout import BlockIds, PlanError
-from sidecar.dataplane.plane import EngineView, LocalWorker, TransferJob, TransferOutcome
+from sidecar.dataplane.views import EngineView, LocalWorker, TransferJob, TransferOutcome
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError
 
 

@@ -23,7 +23,7 @@ from sidecar.core.timers import DeadlineTimer
 from sidecar.core.trace import since_rpc
 from sidecar.dataplane.plan.blocks import check_block_ids
 from sidecar.dataplane.plan.layout import BlockIds
-from sidecar.dataplane.plane import EngineView
+from sidecar.dataplane.views import EngineView
 from sidecar.errors import FailedPrecondition, InvalidArgument, SidecarError, Unavailable
 from sidecar.logs import get_logger
 
@@ -218,7 +218,7 @@ class ConsumerTable:
             measured=since_rpc(),
         )
         if pending.is_push:
-            self._ctx.transport.expect_notifications(1)
+            self._ctx.dataplane.expect_notifications(1)
         self._ctx.metrics.pending_receives.set(len(self.requests))
         return pending
 
@@ -282,7 +282,7 @@ class ConsumerTable:
             ended(pending)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
-            self._ctx.transport.expect_notifications(-1)
+            self._ctx.dataplane.expect_notifications(-1)
         self._ctx.metrics.pending_receives.set(len(self.requests))
         event.request_id = pending.request_id
         event.transfer_id = pending.transfer_id
