@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from engine_shim.memory import KvLayout
-from sidecar.dataplane.plane import STAGING_BELOW_BYTES
+from sidecar.dataplane.convert_staging import STAGING_BELOW_BYTES
 from sidecar.tools.workload import TransferPair
 
 LAYERS, HEADS, CHUNK, TOKENS = 8, 8, 512, 512
