@@ -13,6 +13,7 @@ import pytest
 from sidecar.dataplane.plan.convert import (
     Side,
     block_shape,
+    check_convertible,
     copy_tokens,
     logical_tokens,
     predicted_run_bytes,
@@ -215,6 +216,18 @@ def test_unknown_layouts_and_uneven_blocks_are_refused() -> None:
     odd = WorkerLayout(0, 0, (RegionLayout("l", 0, 100, 100, 0),), 4, 1, 16, "HND", 4, 4, False)
     with pytest.raises(PlanError, match="do not hold 16 tokens x 4 heads"):
         block_shape(odd, odd.regions[0])
+
+
+def test_conversion_refuses_engines_that_name_different_regions() -> None:
+    memory = np.zeros(1 << 16, dtype=np.uint8)
+    small, large = Engine(memory, 0, 1, 16, "HND"), Engine(memory, 0, 1, 32, "HND")
+    check_convertible(small.workers, 1, large.workers, 1)
+    worker = large.workers[0]
+    renamed = replace(worker, regions=(replace(worker.regions[0], name="other"), *worker.regions[1:]))
+    with pytest.raises(PlanError, match="different KV regions"):
+        check_convertible(small.workers, 1, [renamed], 1)
+    with pytest.raises(PlanError, match="different KV regions"):
+        check_convertible(small.workers, 1, [replace(worker, regions=worker.regions[:1])], 1)
 
 
 @pytest.mark.parametrize("sizes", RATIOS, ids=lambda s: f"{s[0]}to{s[1]}")
