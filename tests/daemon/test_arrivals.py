@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.daemon.test_pull import kv
+from tests.support.moves import kv
 from tests.support.processes import EngineProcess
 
 # A simulated engine takes 1-3 s to start on a busy machine: P's sidecar waits up to 8 s for it

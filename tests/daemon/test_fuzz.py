@@ -24,7 +24,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon.test_pull import kv, pull_and_wait
 from tests.support.fuzzing import (
     ENGINE_METHODS,
     ENGINE_SERVICE,
@@ -38,6 +37,7 @@ from tests.support.fuzzing import (
     process_usage,
     wait_clean,
 )
+from tests.support.moves import kv, pull_and_wait
 from tests.support.processes import EngineProcess, SidecarProcess
 
 PROFILES = {"ci": 100, "full": 10_000}

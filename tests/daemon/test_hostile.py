@@ -20,7 +20,7 @@ import pytest
 from engine_shim.client import SidecarClient, engine_channel, grouped, remote
 from engine_shim.memory import KvLayout, SharedBuffer, kv_registration
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
-from tests.daemon.test_pull import kv, start_pull
+from tests.support.moves import kv, start_pull
 from tests.support.processes import wait_until
 
 LAYERS, BLOCK_LEN = 2, 4096

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from engine_shim.client import SidecarClient
-from tests.daemon.test_pull import start_pull
-from tests.daemon.test_push import PUSH, expect
+from tests.support.moves import PUSH, expect, start_pull
 from tests.support.processes import EngineProcess, SidecarProcess, stopped, wait_until
 
 # Large enough that a transfer takes tens of milliseconds, so a signal can land inside it.

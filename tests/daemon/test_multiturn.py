@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 
 from engine_shim.client import SidecarClient
-from tests.daemon.test_pull import kv, start_pull
+from tests.support.moves import kv, start_pull
 from tests.support.processes import wait_until
 from tests.support.vllm_engine import free_port
 

@@ -19,7 +19,7 @@ import pytest
 from engine_shim.client import engine_channel
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 from tests.chaos.cells import status
-from tests.daemon.test_pull import kv
+from tests.support.moves import kv
 from tests.support.pki import issue, make_ca, tls_args
 from tests.support.processes import wait_until
 

@@ -11,46 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.moves import BLOCK_LEN, BLOCKS, LAYERS, kv, pull_and_wait, start_pull
 from tests.support.processes import EngineProcess, SidecarProcess, wait_until
-
-LAYERS, BLOCKS, BLOCK_LEN = 3, 96, 8192
-
-
-def kv(path: Path, layers: int = LAYERS, blocks: int = BLOCKS, block_len: int = BLOCK_LEN) -> np.ndarray:
-    """A read-only view of an engine's KV file: [layer, block, byte]."""
-    return np.memmap(path, dtype=np.uint8, mode="r", shape=(layers, blocks, block_len))
-
-
-def start_pull(
-    consumer: EngineProcess,
-    producer: EngineProcess,
-    request_id: str,
-    d_blocks: list[int],
-    p_request: str,
-    p_blocks: list[int],
-) -> dict:
-    """D's Pull of P's request ``p_request`` (one KV cache group); returns the engine's reply."""
-    remote = {
-        "address": producer.peer_address,
-        "engine_id": producer.engine_id,
-        "request_id": p_request,
-        "blocks": [p_blocks],
-    }
-    return consumer.command("pull", request_id=request_id, blocks=[d_blocks], remote=remote)
-
-
-def pull_and_wait(
-    producer: EngineProcess,
-    consumer: EngineProcess,
-    request: str,
-    p_blocks: list[int],
-    d_blocks: list[int],
-    timeout: float = 30.0,
-) -> list[dict]:
-    assert producer.command("submit", request_id=request, blocks=[p_blocks])["ok"]
-    reply = start_pull(consumer, producer, f"{request}-d", d_blocks, request, p_blocks)
-    assert reply["ok"], reply
-    return consumer.wait_event(f"{request}-d", timeout)
 
 
 @pytest.fixture(params=["two_sidecars", "same_sidecar"])

@@ -12,34 +12,15 @@ import uuid
 import numpy as np
 import pytest
 
-from tests.daemon.test_pull import kv, start_pull
-from tests.support.processes import EngineProcess, SidecarProcess, wait_until
+from tests.support.moves import PUSH, PUSH_SHAPE, engine_pair, expect, kv, start_pull
+from tests.support.processes import EngineProcess, wait_until
 
-LAYERS, BLOCKS, BLOCK_LEN = 2, 128, 4096
-PUSH = 2  # common_pb2.TRANSFER_MODE_PUSH
-
-
-def engine_pair(
-    sidecars, engines, same: bool = False, p_args: list[str] | None = None, d_args: list[str] | None = None, **shape
-) -> tuple[EngineProcess, EngineProcess, SidecarProcess, SidecarProcess]:
-    shape = {"layers": LAYERS, "blocks": BLOCKS, "block_len": BLOCK_LEN, **shape}
-    p_side = sidecars("p", args=p_args)
-    d_side = p_side if same else sidecars("d", args=d_args)
-    producer = engines(p_side, "P", "producer", **shape)
-    consumer = engines(d_side, "D", "consumer", **shape)
-    return producer, consumer, p_side, d_side
+LAYERS, BLOCKS, BLOCK_LEN = PUSH_SHAPE["layers"], PUSH_SHAPE["blocks"], PUSH_SHAPE["block_len"]
 
 
 def vllm_id(base: str) -> str:
     """A vLLM-style request id: the shared base plus this engine's random 8-hex suffix."""
     return f"{base}-{uuid.uuid4().hex[:8]}"
-
-
-def expect(consumer: EngineProcess, producer: EngineProcess, request_id: str, blocks: list[int], **extra) -> dict:
-    remote = {"address": producer.peer_address, "engine_id": producer.engine_id, **extra.pop("remote", {})}
-    reply = consumer.command("expect_push", request_id=request_id, blocks=[blocks], remote=remote, **extra)
-    assert reply["ok"], reply
-    return reply
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["two_sidecars", "same_sidecar"])

@@ -12,9 +12,7 @@ import pytest
 
 from sidecar.core.stages import stage_durations, stage_means
 from sidecar.core.trace import Timeline, _Event
-from tests.daemon.test_pull import pull_and_wait
-from tests.daemon.test_push import PUSH, expect
-from tests.daemon.test_trace import trace_over_socket
+from tests.support.moves import PUSH, expect, pull_and_wait, trace_over_socket
 
 
 def _free_port() -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvsidecar.v1 import peer_pb2, peer_pb2_grpc
-from tests.daemon.test_pull import kv, pull_and_wait
+from tests.support.moves import kv, pull_and_wait
 from tests.support.pki import make_pki, tls_args
 
 

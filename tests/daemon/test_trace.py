@@ -10,17 +10,8 @@ import pytest
 from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
 from sidecar.core.trace import MAX_EVENTS, TraceRecorder
-from tests.daemon.test_pull import pull_and_wait
-from tests.daemon.test_push import PUSH, engine_pair, expect
+from tests.support.moves import PUSH, engine_pair, expect, pull_and_wait, trace_over_socket
 from tests.support.processes import SidecarProcess
-
-
-def trace_over_socket(sidecar: SidecarProcess, **query: str) -> common_pb2.TraceResponse:
-    with engine_channel(sidecar.socket) as channel:
-        response: common_pb2.TraceResponse = engine_pb2_grpc.EngineServiceStub(channel).Trace(
-            common_pb2.TraceRequest(**query), timeout=10
-        )
-        return response
 
 
 def trace_over_peer_port(sidecar: SidecarProcess, **query: str) -> common_pb2.TraceResponse:

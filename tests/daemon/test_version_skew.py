@@ -26,7 +26,7 @@ from sidecar.errors import Unimplemented
 from sidecar.metrics import SidecarMetrics
 from sidecar.peers.client import PeerClient
 from sidecar.tools.proto_compat import PINNED_COMMIT, CompatError
-from tests.daemon.test_pull import kv
+from tests.support.moves import kv
 from tests.support.processes import PUSH_MODE, EngineProcess, SidecarProcess, wait_until
 from tests.support.skew import OldCheckout
 

@@ -15,8 +15,7 @@ import pytest
 from engine_shim.vllm.params import voucher_of
 from kvsidecar import voucher
 from kvsidecar.voucher import PARAM_VOUCHED_UNTIL_MS, PARAM_VOUCHER
-from tests.daemon.test_pull import kv
-from tests.daemon.test_trace import trace_over_socket
+from tests.support.moves import kv, trace_over_socket
 from tests.support.processes import EngineProcess, stopped, wait_until
 
 

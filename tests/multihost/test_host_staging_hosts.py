@@ -17,8 +17,7 @@ import pytest
 
 from tests.multihost.conftest import Cluster
 from tests.multihost.netns import UCX_ENV
-from tests.node.test_host_staging import check_staged_results
-from tests.support.staging_peer import CASES, peer_memory, run_pair
+from tests.support.staging_peer import CASES, check_staged_results, peer_memory, run_pair
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

@@ -273,7 +273,7 @@ def test_post_priority_fails_soft_when_not_permitted() -> None:
     )
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
     command += ["--bounding-set=-all", sys.executable, "-c", script]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "HOME": "/"}  # NIXL reads ~/.nixl.cfg
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HOME": "/"}  # NIXL reads ~/.nixl.cfg
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
     expected = [(os.SCHED_OTHER, 0, "kvsidecar-nixl"), (os.SCHED_OTHER, -1, "between posts")] * 2
