@@ -8,7 +8,8 @@ directory with PYTHONPATH=<checkout>, that checkout's own ``control_plane`` (``k
 control rows: two ``kvsidecar serve`` daemons, the simulated engines in the child, 1-block requests
 open loop at ``--rate``) and reads, around each row's open loop only, the CPU time of each daemon
 by thread (``/proc/PID/task``: the event loop ``python``, the NIXL owner ``kvsidecar-nixl``, gRPC's
-``event_engine``...) and of the child itself (the simulated engines and the load generator). The
+``event_engine``...) and of the child itself (the simulated engines and the load generator), and
+each thread's wake-ups per request (voluntary context switches, ``wakeups`` in the JSON). The
 row's own Trace queries afterwards (today's ``control_path``) are left out, so checkouts from before
 tracing compare. Why CPU: on a shared 2-core machine latency moves by a third between minutes,
 while CPU per request is what a node pays and moves far less. Prints a table of medians over the
@@ -25,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +48,28 @@ def _threads(pid: int) -> dict[str, float]:
     return found
 
 
+def _wakeups(pid: int) -> dict[str, int]:
+    """Wake-ups by thread name: each thread's voluntary context switches (it went to sleep and was
+    woken: a futex, epoll or queue wait that ended) from ``/proc/PID/task/TID/status``."""
+    found: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                found[name] = found.get(name, 0) + int(line.split()[1])
+    return found
+
+
 def _own_cpu() -> float:
     times = os.times()
     return times.user + times.system
 
 
-def measure(rate: float, count: int, modes: list[str]) -> list[dict[str, Any]]:
+def measure(rate: float, count: int, modes: list[str], settle: float) -> list[dict[str, Any]]:
     """In the child: one row per mode, this checkout's code (cwd and PYTHONPATH)."""
     try:
         import sidecar.tools.bench as bench_module
@@ -69,11 +87,21 @@ def measure(rate: float, count: int, modes: list[str]) -> list[dict[str, Any]]:
         pids = {side: daemon.process.pid for side, daemon in zip(("p_sidecar", "d_sidecar"), pair.daemons, strict=True)}
         for mode in modes:
             bench_module.control_plane(pair, mode, rate, 20)  # warm: connections, prepared lists, polling
+            time.sleep(settle)  # past the handshake's warm polling (5 s): the steady state
+            woken = {side: _wakeups(pid) for side, pid in {**pids, "engines_and_load": os.getpid()}.items()}
             before = {side: _threads(pid) for side, pid in pids.items()}
             own = _own_cpu()
             row = bench_module.control_plane(pair, mode, rate, count)
             own = _own_cpu() - own
             after = {side: _threads(pid) for side, pid in pids.items()}
+            wakeups: dict[str, dict[str, float]] = {}
+            for side, pid in {**pids, "engines_and_load": os.getpid()}.items():
+                now = _wakeups(pid)
+                wakeups[side] = {
+                    name: round((n - woken[side].get(name, 0)) / count, 2)
+                    for name, n in now.items()
+                    if n > woken[side].get(name, 0)
+                }
             cpu: dict[str, Any] = {"engines_and_load": own / count * 1000}
             for side in pids:
                 by_thread = {
@@ -81,7 +109,8 @@ def measure(rate: float, count: int, modes: list[str]) -> list[dict[str, Any]]:
                 }
                 cpu[side] = sum(by_thread.values())
                 cpu[f"{side}_threads"] = {name: ms for name, ms in by_thread.items() if ms > 0}
-            rows.append({"mode": mode, "p50_ms": row.p50_ms, "p99_ms": row.p99_ms, "cpu_ms_per_request": cpu})
+            latency = {"p50_ms": row.p50_ms, "p99_ms": row.p99_ms}
+            rows.append({"mode": mode, **latency, "cpu_ms_per_request": cpu, "wakeups": wakeups})
     return rows
 
 
@@ -93,10 +122,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--modes", nargs="+", default=["push", "pull"], choices=["push", "pull"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--settle", type=float, default=6.0,
+                        help="seconds between the warm-up and the measured row (a handshake keeps the NIXL "
+                             "owner thread polling for 5 s; 0 measures that too)")  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.rate, args.count, args.modes)))
+        print(json.dumps(measure(args.rate, args.count, args.modes, args.settle)))
         return
     # Imported here, not at the top: the child measures another checkout's code, which must be
     # the first ``sidecar`` on its path.
@@ -106,7 +138,7 @@ def main() -> None:
 
     def run_round(checkout: Path, index: int) -> None:
         command = [sys.executable, str(Path(__file__).resolve()), "--child", "--rate", str(args.rate),
-                   "--count", str(args.count), "--modes", *args.modes]  # fmt: skip
+                   "--count", str(args.count), "--settle", str(args.settle), "--modes", *args.modes]  # fmt: skip
         done = in_checkout(checkout, command)
         for row in json.loads(done.stdout.strip().splitlines()[-1]):
             found.setdefault(f"{checkout} {row['mode']}", []).append(row)
@@ -114,6 +146,10 @@ def main() -> None:
             print(f"round {index} {checkout} {row['mode']}: p50 {row['p50_ms']:.2f} ms, CPU ms/request "
                   f"P's sidecar {cpu['p_sidecar']:.2f}, D's {cpu['d_sidecar']:.2f}, "
                   f"engines+load {cpu['engines_and_load']:.2f}", flush=True)  # fmt: skip
+            for side, by_thread in row["wakeups"].items():
+                top = sorted(by_thread.items(), key=lambda item: -item[1])
+                print(f"  wake-ups per request, {side}: {sum(by_thread.values()):.1f} "
+                      f"({', '.join(f'{name} {n:g}' for name, n in top)})")  # fmt: skip
 
     alternate(args.checkouts, args.rounds, run_round)
     print("| checkout, mode | latency p50 / p99 ms | CPU ms per request: P's sidecar / D's sidecar / engines+load |")

@@ -75,6 +75,11 @@ class TransferResult:
 NOT_POSTED_LATE = "not posted: past its deadline (the producer's lease or the consumer's push registration ended)"
 
 
+def is_disconnect(exc: BaseException) -> bool:
+    """Whether a NIXL exception says the peer is gone (``nixlRemoteDisconnectError`` and kin)."""
+    return "Disconnect" in type(exc).__name__ or "disconnect" in str(exc).lower()
+
+
 class XferDoneCallback(Protocol):
     """(op, result) of every finished transfer, called on the transport's thread (metrics only);
     the data plane calls it too, on the event loop, for a device copy or a host-staged transfer

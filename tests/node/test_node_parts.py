@@ -541,7 +541,7 @@ def test_a_gpu_consumer_holds_its_blocks_until_the_producer_can_no_longer_write(
                 assert worker is not None
                 assert worker.events.empty(), "GPU blocks went back while the producer could still write"
                 # Held, it leaves room for another request (the limit here is 1): admission passes.
-                h.node.consumer._require_engine(D, "req-other-d", ((7,),), "block_ids")
+                h.node.consumer.table.require_engine(D, "req-other-d", ((7,),), "block_ids")
                 failed = await h.next_event(D)
                 seen_at = time.monotonic()
             _mark_gpu(h, False)
@@ -571,9 +571,9 @@ def test_a_held_gpu_push_outlasts_the_promise_while_the_producer_says_a_write_is
             async def answer(*args: Any, **kwargs: Any) -> bool:
                 return in_flight[0]
 
-            h.node.consumer._ask_producer = answer  # type: ignore[method-assign]
+            h.node.consumer.table.ask_producer = answer  # type: ignore[method-assign]
             h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
-            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            h.node.consumer.fences.fail_fenced(pending, "the producer did not answer", "released")
             await asyncio.sleep(max(0.0, quiet_at - time.monotonic()) + 0.3)
             worker = h.node.registry.worker(D, 0, 0)
             assert worker is not None
@@ -599,7 +599,7 @@ def test_only_a_refused_connection_counts_as_a_producer_that_cannot_write(tmp_pa
             for behaviour in ("refuses", "hangs", "drops"):
                 with _peer_that(behaviour) as address:
                     pending.remote.address = address
-                    outcomes[behaviour] = await h.node.consumer._ask_producer(
+                    outcomes[behaviour] = await h.node.consumer.table.ask_producer(
                         pending, consumed=False, reason="test", wait_for_ready=False
                     )
             assert outcomes == {"refuses": False, "hangs": None, "drops": None}
@@ -626,7 +626,7 @@ def test_a_push_whose_handshake_timed_out_fails_at_once_without_a_hold(tmp_path:
             _mark_gpu(h, False)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
             assert "held" not in failed.reason and "fenced" not in failed.reason, failed.reason
-            assert not h.node.consumer._fenced
+            assert not h.node.consumer.fences.fenced
 
     run(scenario)
 
@@ -639,7 +639,7 @@ def test_a_held_gpu_push_ends_as_soon_as_the_producer_answers(tmp_path: Path) ->
         async with harness(tmp_path, heartbeat_interval_seconds=0.05) as h:
             _mark_gpu(h, True)
             pending = await _push_given_up(h, "req-a-d", timeout=60.0)
-            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            h.node.consumer.fences.fail_fenced(pending, "the producer did not answer", "released")
             failed = await h.next_event(D, timeout=5.0)
             _mark_gpu(h, False)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
@@ -659,7 +659,7 @@ def test_a_gpu_consumer_whose_producer_promised_nothing_says_it_is_unfenced(tmp_
             _mark_gpu(h, True)
             pending = await _push_given_up(h, "req-u-d", timeout=60.0)
             pending.writes_quiet_at = None  # what an answer without the promise leaves
-            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            h.node.consumer.fences.fail_fenced(pending, "the producer did not answer", "released")
             _mark_gpu(h, False)
             failed = await h.next_event(D)
             assert failed.kind == engine_pb2.LOAD_FAILED, failed
@@ -789,11 +789,12 @@ def test_a_consumer_engine_that_goes_lets_go_of_what_its_queued_requests_kept_al
                 )
                 assert (await consumer.keep_alive(keep)).producer_holds
             await consumer.heartbeat_once()
-            assert (D, "req-q-d") in consumer._confirmed and (D, "req-r-d") in consumer._verified
+            assert (D, "req-q-d") in consumer.keepalive.confirmed and (D, "req-r-d") in consumer.keepalive.verified
 
             # The engine releases one while it waits (the shim's fetch-nothing path).
             assert consumer.release(D, "req-r-d", "aborted while queued") is None
-            checks = (consumer._confirmed, consumer._readable, consumer._verified, consumer._first_unknown)
+            keep = consumer.keepalive
+            checks = (keep.confirmed, keep.readable, keep.verified, keep.first_unknown)
             assert all((D, "req-r-d") not in table for table in checks), "a released keep-alive left its checks"
 
             await h.node.registrations.unregister_worker(
@@ -803,7 +804,7 @@ def test_a_consumer_engine_that_goes_lets_go_of_what_its_queued_requests_kept_al
             assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == "req-q", sent
             assert "released by consumer" in sent.reason, sent.reason
             assert (P, "req-q") not in h.node.producer.requests
-            assert not consumer.kept and not consumer._lost
+            assert not consumer.kept and not consumer.keepalive.lost
             assert all(key[0] != D for table in checks for key in table), "the gone engine's checks stayed"
 
     run(scenario)
@@ -821,7 +822,7 @@ def test_a_push_its_producer_forgot_after_writing_is_not_failed_before_its_notif
             expect = SidecarClient.expect_push_request(D, "req-f-d", [[10, 11]], remote(ADDRESS, P, "req-f"))
             await consumer.expect_push(expect)
             await consumer.heartbeat_once()
-            assert (D, "req-f-d") in consumer._confirmed, "the waiting registration was not confirmed"
+            assert (D, "req-f-d") in consumer.keepalive.confirmed, "the waiting registration was not confirmed"
             # As after its WRITEs ended: the producer no longer knows the request.
             registration = h.node.producer.push.matcher.registrations()[0]
             h.node.producer.push.matcher.remove_registration(registration.key)
@@ -878,9 +879,9 @@ def test_a_held_gpu_push_ends_within_a_writes_bound_after_a_busy_producer_stops_
             async def answer(*args: Any, **kwargs: Any) -> bool | None:
                 return answers.pop(0) if answers else None  # busy once, then silent
 
-            h.node.consumer._ask_producer = answer  # type: ignore[method-assign]
+            h.node.consumer.table.ask_producer = answer  # type: ignore[method-assign]
             h.node.peers.heartbeat = _heartbeat_times_out  # type: ignore[method-assign]
-            h.node.consumer._fail_fenced(pending, "the producer did not answer", "released")
+            h.node.consumer.fences.fail_fenced(pending, "the producer did not answer", "released")
             failed = await h.next_event(D, timeout=5.0)
             _mark_gpu(h, False)
             assert not answers, "the producer was never asked"
@@ -936,10 +937,10 @@ def test_a_push_registration_whose_answer_was_lost_is_fenced_and_withdrawn(tmp_p
             h.d.fill([10, 11], seed=9)
             reused = h.d.blocks([10, 11])
             for _ in range(200):  # the fence's checks ask the producer to drop the registration
-                if not h.node.consumer._fenced:
+                if not h.node.consumer.fences.fenced:
                     break
                 await asyncio.sleep(0.01)
-            assert not h.node.consumer._fenced, "the fence never ended"
+            assert not h.node.consumer.fences.fenced, "the fence never ended"
             assert not h.node.producer.push.matcher.pending_registrations, "the producer still waits to write"
             h.p.fill([0, 1], seed=3)
             push = common_pb2.TRANSFER_MODE_PUSH
