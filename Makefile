@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvsidecar-setup
 PROTO_FILES := $(wildcard proto/kvsidecar/v1/*.proto)
 
-.PHONY: setup upstream upstream-proxies proto proto-check test test-fast hetero skew multihost fuzz chaos soak restart overload lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn bench-overload clean
+.PHONY: setup upstream upstream-proxies proto proto-check test test-unit test-node test-daemon test-vllm test-fast hetero skew multihost fuzz chaos soak restart overload lint run demo bench bench-multihost bench-scaling bench-vllm bench-load bench-multiturn bench-overload clean
 
 setup: $(STAMP)
 
@@ -41,31 +41,49 @@ test: setup upstream
 	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
 	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)"
 
-# Every case through vLLM's own proxies (tests/test_vllm_upstream.py); `make test` runs a subset.
+# Every case through vLLM's own proxies (tests/vllm/test_vllm_upstream.py); `make test` runs a
+# subset.
 upstream-proxies: setup upstream
-	$(PY) -m pytest -q -m vllm tests/test_vllm_upstream.py
+	$(PY) -m pytest -q -m vllm tests/vllm/test_vllm_upstream.py
+
+# One tier at a time (tests/<tier>/__init__.py says what each starts), with `make test`'s markers:
+# unit (pure logic), node (sidecar parts in this process), daemon (sidecar processes), vllm (real
+# vLLM engines, one at a time). tests/chaos, tests/multihost and bench/tests are not in a tier.
+test-unit: setup
+	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)" tests/unit
+
+test-node: setup
+	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)" tests/node
+
+test-daemon: setup
+	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)" tests/daemon
+	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)" tests/daemon
+
+test-vllm: setup upstream
+	$(PY) -m pytest -q -m "($(ALONE)) and $(SKIPPED)" tests/vllm
 
 test-fast: setup
 	$(PY) -m pytest -q $(PARALLEL) -m "not ($(ALONE)) and $(SKIPPED)"
 	$(PY) -m pytest -q -m "soak and not vllm and $(SKIPPED)"
 
-# The full heterogeneous-engine matrix (tests/test_hetero.py); `make test` runs a subset of it.
+# The full heterogeneous-engine matrix (tests/daemon/test_hetero.py); `make test` runs a subset of
+# it.
 hetero: setup
-	$(PY) -m pytest -q -m hetero tests/test_hetero.py
+	$(PY) -m pytest -q -m hetero tests/daemon/test_hetero.py
 
 # Version skew (docs/compatibility.md): the pinned older commit, built from git into a temporary
 # venv, and this checkout through pull, push and multi-turn both ways; `make test` runs pull.
 skew: setup
-	$(PY) -m pytest -q -m skew tests/test_version_skew.py
+	$(PY) -m pytest -q -m skew tests/daemon/test_version_skew.py
 
 # P and D on different hosts: network namespaces joined by a bridge (needs root; skipped otherwise).
 multihost: setup
 	$(PY) -m pytest -q -m multihost tests/multihost
 
-# Hostile input (tests/test_fuzz.py): 10,000 structured + 10,000 raw messages per service (a few
-# hundred in `make test`).
+# Hostile input (tests/daemon/test_fuzz.py): 10,000 structured + 10,000 raw messages per service
+# (a few hundred in `make test`).
 fuzz: setup
-	KVSIDECAR_FUZZ_PROFILE=full $(PY) -m pytest -q -s -m fuzz tests/test_fuzz.py
+	KVSIDECAR_FUZZ_PROFILE=full $(PY) -m pytest -q -s -m fuzz tests/daemon/test_fuzz.py
 
 # The whole fault matrix (tests/chaos/README.md); `make test` runs a representative subset.
 chaos: setup
@@ -73,17 +91,18 @@ chaos: setup
 
 # 10,000 mixed requests through two sidecars, resources sampled (bench/README.md).
 soak: setup
-	KVSIDECAR_SOAK_REQUESTS=10000 $(PY) -m pytest -q -s -m soak tests/test_soak.py
+	KVSIDECAR_SOAK_REQUESTS=10000 $(PY) -m pytest -q -s -m soak tests/daemon/test_soak.py
 
 # Rolling restarts under load: SIGTERM to P's or D's sidecar in pull, push and multi-turn while
-# requests stream; no request lost (tests/test_restart.py; `make test` runs three of the six).
+# requests stream; no request lost (tests/daemon/test_restart.py; `make test` runs three of the
+# six).
 restart: setup
-	$(PY) -m pytest -q -s tests/test_restart.py
+	$(PY) -m pytest -q -s tests/daemon/test_restart.py
 
-# A node pair driven at 2x and 10x what it moves: refusals, bounds, recovery (tests/test_overload.py;
-# `make test` runs a seconds-long 10x burst). The figures: `make bench-overload`.
+# A node pair driven at 2x and 10x what it moves: refusals, bounds, recovery
+# (tests/daemon/test_overload.py; `make test` runs a seconds-long 10x burst). The figures: `make bench-overload`.
 overload: setup
-	$(PY) -m pytest -q -s tests/test_overload.py
+	$(PY) -m pytest -q -s tests/daemon/test_overload.py
 
 lint: setup
 	$(VENV)/bin/ruff check sidecar engine_shim kvsidecar tests bench examples

@@ -7,8 +7,9 @@
 # device tool do).
 #
 # Steps, each bounded, about 6 minutes in all (the device tool lends 15):
-#   1. the GPU tests (PYTEST_SECONDS, 160): tests/test_gpu.py and every tests/test_gpu_*.py (the
-#      other GPU suites, and the CPU-only parts of the proof and of the fault cells' harness);
+#   1. the GPU tests (PYTEST_SECONDS, 160): tests/daemon/test_gpu.py and every test_gpu_*.py in
+#      tests/{unit,node,daemon}
+#      (the other GPU suites, and the CPU-only parts of the proof and of the fault cells' harness);
 #   2. bench.gpu_proof (BENCH_SECONDS, 110): on SIGTERM it stops measuring and still reports the
 #      rows it has, with what UCX chose for them;
 #   3. the chaos matrix's GPU fault cells (CELLS_SECONDS, 100): tests/chaos/test_gpu_faults.py.
@@ -31,8 +32,8 @@ nvidia-smi -L
 nvidia-smi topo -m 2>/dev/null | head -20  # NVLink or PCIe between GPUs: what cuda_ipc's READ defaults follow
 python3 -c 'import torch, grpc, nixl_cu13; print("torch", torch.__version__, "cuda", torch.version.cuda, "grpc", grpc.__version__)'
 status=0
-tests=(tests/test_gpu.py)
-for extra in tests/test_gpu_*.py; do
+tests=(tests/daemon/test_gpu.py)
+for extra in tests/unit/test_gpu_*.py tests/node/test_gpu_*.py tests/daemon/test_gpu_*.py; do
     [ -e "$extra" ] && tests+=("$extra")
 done
 timeout -k 15 "${PYTEST_SECONDS:-160}" python3 -m pytest "${tests[@]}" -v -p no:cacheprovider --timeout 120 2>&1 | tee "$OUT/pytest-gpu.log"

@@ -324,7 +324,7 @@ class WorkerSide:
                 logger.debug("SidecarConnector: registering again failed: %s", exc)
                 self._need_connect.set()
                 self._stopping.wait(backoff)
-                # At most 1 s: a restarted sidecar serves within about a second (tests/test_restart.py),
+                # At most 1 s: a restarted sidecar serves within about a second (tests/daemon/test_restart.py),
                 # and every second unregistered is a second of recomputed prompts.
                 backoff = min(backoff * 2, 1.0)
                 continue

@@ -27,7 +27,7 @@ The hold is real on the device (``tests/chaos/gpu_hold/sitecustomize.py``: a ``c
 enqueued before the copy on the sidecar's own stream), armed by a file once the warm-up is done.
 Every wait has a bound; a cell returns a ``Verdict`` (``tests/chaos/cells.py``) that the test asserts.
 Skipped without a GPU, with the reason. The CPU stand-in for the hung copy (``FakeCudaDriver.hang``)
-is gpu-local's ``tests/test_cuda_copy.py`` (the bound of ``wait_copy``).
+is gpu-local's ``tests/unit/test_cuda_copy.py`` (the bound of ``wait_copy``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ HELD_SECONDS = 2.0  # a slow copy: long enough to kill someone while it runs
 TRANSFER_TIMEOUT = float(SETTINGS["transfer_timeout_seconds"])  # type: ignore[arg-type]
 BOUND = 8.0  # as the CPU cells: the longest bound that applies plus slack for a busy machine
 SETTLE = 2.0
-# The integrity check hashes on the CPU and refuses GPU producers (tests/test_gpu.py): off here.
+# The integrity check hashes on the CPU and refuses GPU producers (tests/daemon/test_gpu.py): off here.
 GPU_SETTINGS = {**SETTINGS, "integrity": "off"}
 
 CELLS = (

@@ -3,7 +3,7 @@ does and asserts): an engine killed while the sidecars map its GPU memory, a sid
 a device copy into or out of an engine's memory runs, and a device copy that never completes.
 They run where PyTorch sees a CUDA GPU (``bench/gpu_run.sh`` runs them) and are skipped with the
 reason elsewhere. The hung copy's bound is also covered without a GPU, on ``FakeCudaDriver``
-(``tests/test_cuda_copy.py``).
+(``tests/unit/test_cuda_copy.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ behind a real NIXL agent on host p0, and UCX may use only TCP on the hosts' inte
 (``UCX_ENV``). Pull and push, byte for byte and across block size and layout, move every byte
 through the initiator's pinned pool (its NIXL agent registers no memory of its own) and across
 the wire; a GPU copy that never completes fails the request at its deadline. The scenario is
-``tests/support/staging_peer.py``, the same as the loopback test in tests/test_host_staging.py.
+``tests/support/staging_peer.py``, the same as the loopback test in tests/node/test_host_staging.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 
 from tests.multihost.conftest import Cluster
 from tests.multihost.netns import UCX_ENV
-from tests.support.staging_peer import CASES, peer_memory, run_pair
-from tests.test_host_staging import check_staged_results
+from tests.support.staging_peer import CASES, check_staged_results, peer_memory, run_pair
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

@@ -21,9 +21,9 @@ import pytest
 from engine_shim.client import engine_channel
 from kvsidecar.v1 import common_pb2, engine_pb2_grpc
 from tests.multihost.conftest import PEER_PORT, Cluster
+from tests.support.moves import kv
 from tests.support.pki import make_pki, tls_args
 from tests.support.processes import EngineProcess
-from tests.test_pull import kv
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 

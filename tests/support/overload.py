@@ -1,5 +1,5 @@
 """Driving a node pair past what it can move: the phases of ``bench.overload`` and
-``tests/test_overload.py``.
+``tests/daemon/test_overload.py``.
 
 ``capacity`` measures what the pair moves with ``lanes`` requests always in flight (closed loop).
 ``offer`` then issues requests at a fixed rate (open loop: arrivals do not wait for earlier

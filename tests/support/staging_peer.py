@@ -476,5 +476,32 @@ def main() -> None:
         raise SystemExit(f"unknown role {role!r}: target | initiator | measure")
 
 
+def check_staged_results(results: dict) -> None:
+    """What every staged case must show (tests/node/test_host_staging.py, tests/multihost)."""
+    chunks = -(-results["pull"]["bytes"] // STAGING.chunk_bytes)
+    assert chunks > STAGING.slots  # the pipeline cycles through its slots
+    for case in ("pull", "push", "pull-convert", "push-convert"):
+        result = results[case]
+        assert result["ok"], (case, result["error"])
+        assert result["equal"], f"{case}: the tokens at the destination differ from the source's"
+        assert result["notifications"] == 1, f"{case}: the peer must get exactly one notification"
+        # One batched copy launch per chunk, no per-block launches.
+        assert result["launches"] == [1] * -(-result["bytes"] // STAGING.chunk_bytes), (case, result["launches"])
+        (completion,) = [step for step in result["steps"] if step["kind"] == "nixl_completion"]
+        assert "path=host_staging" in completion["detail"], completion
+        assert completion["measured"]["copy_transfer"] > 0
+        # The transfer metrics count the staged transfer once, whole (not its chunks' NIXL posts).
+        assert result["observed"] == [[result["op"], "host_staging", result["bytes"]]], (case, result["observed"])
+    hang = results["pull-hang"]
+    assert not hang["ok"] and "did not complete within its deadline" in hang["error"], hang["error"]
+    assert "GPU copy" in hang["error"] and hang["notifications"] == 0
+    # The stuck copy writes the engine's blocks: past the 1.5 s deadline the failure is held until
+    # the copy completes (released at HANG_RELEASE_S), then reported; its slot is free again.
+    assert hang["copies_held_before_release"] >= 1, hang
+    assert HANG_RELEASE_S <= hang["elapsed_s"] < HANG_RELEASE_S + 6, hang["elapsed_s"]
+    assert "engine's blocks were held until then" in hang["error"], hang["error"]
+    assert hang["copies_held_after"] == 0 and hang["held_slots"] == 0, hang
+
+
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 """vLLM 0.32's per-layer KV cache views, made without vLLM (for the GPU harness, where vLLM is not
-installed). ``tests/test_vllm_gpu_kv.py`` checks them against vLLM's own ``allocate_kv_cache`` for
+installed). ``tests/daemon/test_vllm_gpu_kv.py`` checks them against vLLM's own ``allocate_kv_cache`` for
 every layout, so the harness's tensors are the ones a vLLM GPU worker registers.
 
 vLLM (``vllm/v1/kv_cache_interface.py: compute_layout_strides, create_kv_cache_views``): the

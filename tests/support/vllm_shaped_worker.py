@@ -1,6 +1,6 @@
 """A vLLM 0.32 worker's KV cache without vLLM: made, described and registered as the connector's
 hooks do, with real sidecars, and a request moved between two of them and checked (used by
-``tests/test_gpu_vllm_hooks.py`` on a GPU and ``tests/test_vllm_gpu_kv.py`` on host memory).
+``tests/daemon/test_gpu_vllm_hooks.py`` on a GPU and ``tests/daemon/test_vllm_gpu_kv.py`` on host memory).
 
 In GPU memory (``memory="cuda"``), ``get_mem_pool_context()`` is ``kv_cuda.CudaKvAllocation``
 around vLLM's one ``torch.zeros(n, int8, device=cuda)`` and the storage is exported with

@@ -54,13 +54,7 @@ def check_compatible(
                     f"heterogeneous TP needs KV heads split evenly: {layout.num_kv_heads} heads x TP {tp} "
                     f"!= {layout.total_num_kv_heads} (replicated heads are not supported)"
                 )
-    names_mine = [region.name for region in mine.regions]
-    names_theirs = [region.name for region in theirs.regions]
-    if names_mine != names_theirs:
-        raise PlanError(
-            f"the engines name different KV regions ({len(names_mine)} vs {len(names_theirs)}; first: "
-            f"{names_mine[:1]} vs {names_theirs[:1]})"
-        )
+    check_region_names(mine, theirs)
     for worker in initiator:
         for pairing in pairings(initiator_tp, target_tp, worker.tp_rank, mine.is_mla):
             other = next((w for w in target if w.tp_rank == pairing.target_rank and w.pp_rank == worker.pp_rank), None)
@@ -91,3 +85,14 @@ def check_kv_elements(mine: WorkerLayout, theirs: WorkerLayout, names: tuple[str
     for what, a, b in (("dtype", mine.dtype, theirs.dtype), ("head size", mine.head_size, theirs.head_size)):
         if a and b and a != b:
             raise PlanError(f"KV {what} differs: {a} {here} vs {b} {there}; it cannot be converted")
+
+
+def check_region_names(mine: WorkerLayout, theirs: WorkerLayout) -> None:
+    """Both engines name the same KV regions in the same order (region i moves to region i)."""
+    names_mine = [region.name for region in mine.regions]
+    names_theirs = [region.name for region in theirs.regions]
+    if names_mine != names_theirs:
+        raise PlanError(
+            f"the engines name different KV regions ({len(names_mine)} vs {len(names_theirs)}; first: "
+            f"{names_mine[:1]} vs {names_theirs[:1]})"
+        )

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sidecar.dataplane.plan.compatible import check_compatible, check_kv_elements, first_workers
+from sidecar.dataplane.plan.compatible import check_compatible, check_kv_elements, check_region_names, first_workers
 from sidecar.dataplane.plan.descriptors import physical_block_ids
 from sidecar.dataplane.plan.layout import BlockIds, PlanError, RegionLayout, WorkerLayout
 
@@ -303,13 +303,7 @@ def check_convertible(
         raise PlanError(
             f"block sizes {mine.block_size} {here} and {theirs.block_size} {there} do not divide one another"
         )
-    names_mine = [region.name for region in mine.regions]
-    names_theirs = [region.name for region in theirs.regions]
-    if names_mine != names_theirs:
-        raise PlanError(
-            f"the engines name different KV regions ({len(names_mine)} vs {len(names_theirs)}; first: "
-            f"{names_mine[:1]} vs {names_theirs[:1]})"
-        )
+    check_region_names(mine, theirs)
     if any(region.group_id for worker in (mine, theirs) for region in worker.regions):
         raise PlanError("block size or layout conversion supports one KV cache group (no hybrid models)")
     for region_a, region_b in zip(mine.regions, theirs.regions, strict=True):

@@ -9,7 +9,7 @@ the sidecar's own stream and really does not run (the device waits, as it would 
 kernel or a stuck copy engine). The word is written, and the copies run, when the file named by
 ``KVSIDECAR_TEST_GPU_RELEASE`` appears, or ``KVSIDECAR_TEST_GPU_HOLD_SECONDS`` after the hold
 (a slow copy); never otherwise (a copy that never completes). Where the driver refuses stream
-memory operations (or, ``on_device=False``, where there is no device: ``tests/test_gpu_hold.py`` on
+memory operations (or, ``on_device=False``, where there is no device: ``tests/unit/test_gpu_hold.py`` on
 ``FakeCudaDriver``), the hold falls back to hiding the copy's completion (its event reads "not
 ready" until released) and says so on stderr: the sidecar's bound is exercised either way, the
 device is not.
