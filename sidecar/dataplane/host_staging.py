@@ -53,7 +53,7 @@ from sidecar.dataplane import cuda_ipc
 from sidecar.dataplane.contract import RemoteAgent, RunsSpec, TransferResult, Transport
 from sidecar.dataplane.device_copy import LateCopies
 from sidecar.dataplane.plan.stage_chunks import StageChunks, cut
-from sidecar.dataplane.staged_push import PushStager, staged_push
+from sidecar.dataplane.staged_push import PushStager, post_windowed, staged_push
 from sidecar.errors import DeadlineExceeded, FailedPrecondition
 from sidecar.logs import get_logger
 
@@ -308,14 +308,8 @@ async def _direct_pull(transport: Transport, move: StagedMove, chunks: StageChun
     results: list[TransferResult] = []
     failure: TransferResult | None = None
     try:
-        window: list[asyncio.Future[TransferResult]] = []
-        for chunk in range(chunks.count - 1):
-            window.append(asyncio.ensure_future(read(chunk)))
-            if len(window) >= depth:
-                results.append(await window.pop(0))
-                if not results[-1].ok:
-                    break  # post no more; those in flight end by the deadline
-        results += list(await asyncio.gather(*window))
+        # The last chunk carries the notification: posted once every other chunk has arrived.
+        results = await post_windowed(chunks.count - 1, depth, read)
         failure = next((result for result in results if not result.ok), None)
         if failure is None:
             last = await read(chunks.count - 1)

@@ -40,6 +40,23 @@ from sidecar.logs import get_logger
 log = get_logger("kvsidecar.staged_push")
 
 
+async def post_windowed(
+    count: int, depth: int, post: Callable[[int], Awaitable[TransferResult]]
+) -> list[TransferResult]:
+    """``post(0)`` .. ``post(count - 1)`` with at most ``depth`` in flight, in order; after the first
+    failure no more are posted (those in flight end by their deadline). The results of every chunk
+    posted (shared by the staged READs and WRITEs: ``host_staging``, ``staged_push``)."""
+    results: list[TransferResult] = []
+    window: list[asyncio.Future[TransferResult]] = []
+    for chunk in range(count):
+        window.append(asyncio.ensure_future(post(chunk)))
+        if len(window) >= depth:
+            results.append(await window.pop(0))
+            if not results[-1].ok:
+                break
+    return results + list(await asyncio.gather(*window))
+
+
 class LentSlot(NamedTuple):
     """A slot of the peer's pool lent for one WRITE: its number and address (the peer's)."""
 
@@ -225,16 +242,8 @@ async def staged_push(
             return TransferResult(False, f"host staging: the peer did not copy chunk {chunk} into its engine: {exc}")
         return written
 
-    results: list[TransferResult] = []
     try:
-        window: list[asyncio.Future[TransferResult]] = []
-        for chunk in range(chunks.count):
-            window.append(asyncio.ensure_future(push(chunk)))
-            if len(window) >= depth:
-                results.append(await window.pop(0))
-                if not results[-1].ok:
-                    break  # post no more; those in flight end by the deadline
-        results += list(await asyncio.gather(*window))
+        results = await post_windowed(chunks.count, depth, push)
     finally:
         await stager.finish(unlanded, move.deadline)
     failure = next((result for result in results if not result.ok), None)
