@@ -38,8 +38,8 @@ BASELINE_FEATURES: tuple[str, ...] = (
 )
 # Announced since: the feature list itself, the engine Session stream, the peer Stream, node-local
 # GPU device copies (WorkerDescriptor.node_local_exports), target-side host staging (Stage), the
-# self-test host (SelfTestService),
-# push staging into a GPU consumer (StagingPool.accepts_push, Stage with inbound).
+# self-test host (SelfTestService), push staging into a GPU consumer (StagingPool.accepts_push,
+# Stage with inbound).
 FEATURES: tuple[str, ...] = (
     *BASELINE_FEATURES,
     "features",
