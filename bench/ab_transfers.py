@@ -41,11 +41,19 @@ DEFAULT = (
 )  # fmt: skip
 
 
-def cpu_seconds(pids: Sequence[int]) -> list[float]:
+def cpu_seconds(pids: Sequence[int]) -> list[dict[str, float]]:
+    """CPU seconds of each daemon by thread name (``/proc/PID/task/TID/comm``: ``python`` is the
+    event loop, ``kvsidecar-nixl`` the NIXL owner thread, ``event_engine`` gRPC's, ...)."""
     found = []
     for pid in pids:
-        times = psutil.Process(pid).cpu_times()
-        found.append(times.user + times.system)
+        threads: dict[str, float] = {}
+        for thread in psutil.Process(pid).threads():
+            try:
+                name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
+            except OSError:
+                continue  # the thread ended
+            threads[name] = threads.get(name, 0.0) + thread.user_time + thread.system_time
+        found.append(threads)
     return found
 
 
@@ -87,7 +95,7 @@ def run_scenario(
     names = list(paths)
     latencies: dict[str, list[float]] = {name: [] for name in names}
     rates: dict[str, list[float]] = {name: [] for name in names}
-    cpu: dict[str, list[float]] = {name: [0.0, 0.0] for name in names}
+    cpu: dict[str, list[dict[str, float]]] = {name: [{}, {}] for name in names}
     for index in range(rounds):
         for step in range(len(names)):
             name = names[(index + step) % len(names)]
@@ -103,7 +111,9 @@ def run_scenario(
             if pair is not None and index == rounds - 1 and not pair.verify(source, destination):
                 raise SystemExit(f"{scenario.name} {name}: the bytes did not arrive")
             for side, (now, then) in enumerate(zip(cpu_seconds(pids), before, strict=True)):
-                cpu[name][side] += now - then
+                for thread, seconds in now.items():
+                    spent = cpu[name][side]
+                    spent[thread] = spent.get(thread, 0.0) + seconds - then.get(thread, 0.0)
             rates[name].append(scenario.request_bytes * count * batches / elapsed / 1e9)
     rows = []
     for name in names:
@@ -112,7 +122,11 @@ def run_scenario(
         rows.append({
             "scenario": scenario.name, "path": name, "gbps": statistics.median(rates[name]),
             "p50_ms": statistics.median(latencies[name]) * 1000, "x_raw_2proc": paired,
-            "cpu_ms_per_request": [seconds / requests * 1000 for seconds in cpu[name]],
+            "cpu_ms_per_request": [sum(side.values()) / requests * 1000 for side in cpu[name]],
+            "cpu_ms_per_request_by_thread": [
+                {thread: round(seconds / requests * 1000, 3) for thread, seconds in side.items() if seconds > 0}
+                for side in cpu[name]
+            ],
         })  # fmt: skip
     return rows
 
@@ -145,8 +159,13 @@ def main() -> None:
                         found = run_scenario(scenario, pairs, raw, args.modes, args.rounds)
                         for row in found:
                             cpu = "/".join(f"{ms:.2f}" for ms in row["cpu_ms_per_request"])
+                            threads = " ".join(
+                                f"{side}:{thread}={ms:.2f}"
+                                for side, found in zip("PD", row["cpu_ms_per_request_by_thread"], strict=True)
+                                for thread, ms in sorted(found.items(), key=lambda item: -item[1])[:3]
+                            )
                             print(f"| {row['scenario']} | {row['path']} | {row['gbps']:.2f} | {row['p50_ms']:.3f} | "
-                                  f"{row['x_raw_2proc']:.2f} | {cpu} |", flush=True)  # fmt: skip
+                                  f"{row['x_raw_2proc']:.2f} | {cpu} | {threads} |", flush=True)  # fmt: skip
                         rows.extend(found)
                 finally:
                     raw.close()
@@ -158,6 +177,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    print("| scenario | path | GB/s | p50 ms | x raw 2proc (median per round) | CPU ms/request P/D sidecar |")
-    print("|---|---|---|---|---|---|")
+    print("| scenario | path | GB/s | p50 ms | x raw 2proc (median per round) | CPU ms/request P/D sidecar "
+          "| top threads (ms/request) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     main()
