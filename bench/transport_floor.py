@@ -144,5 +144,6 @@ def main() -> None:
             paired = statistics.median(r / t for r, t in zip(rows["raw NIXL"], times, strict=True))
             print(f"| {pattern} | {label} | {p50 * 1e3:.3f} | {p10 * 1e3:.3f} | {floor / p50:.2f} | {paired:.2f} |")
 
+
 if __name__ == "__main__":
     main()
