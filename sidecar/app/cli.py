@@ -244,13 +244,20 @@ def _add_bench(subparsers: Any) -> None:
         help="comma-separated sections to run: transfers (paths side by side), control (open-loop 1-block "
         "requests), mixed (small requests behind large ones, split and unsplit NIXL posts); default: all",
     )
+    parser.add_argument(
+        "--scenarios",
+        default="",
+        help="comma-separated transfer scenarios to run (e.g. 16KiBx1024-adjacent-c1,1MiBx64-adjacent-c16: "
+        "block size x blocks - adjacent|scattered - concurrency); default: all",
+    )
     parser.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from sidecar.tools.bench import main_bench
 
-    return main_bench(args.json, args.png, args.quick, [name for name in args.only.split(",") if name])
+    names = [name for name in args.scenarios.split(",") if name]
+    return main_bench(args.json, args.png, args.quick, [name for name in args.only.split(",") if name], names)
 
 
 def _add_selftest(subparsers: Any) -> None:

@@ -492,21 +492,32 @@ def scenarios(quick: bool) -> dict[int, list[Scenario]]:
     return plan
 
 
+def selected(plan: dict[int, list[Scenario]], names: Sequence[str]) -> dict[int, list[Scenario]]:
+    """The scenarios of ``plan`` named in ``names`` (all when empty), by block size."""
+    if not names:
+        return plan
+    unknown = set(names) - {s.name for found in plan.values() for s in found}
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(sorted(unknown))}")
+    return {size: [s for s in found if s.name in names] for size, found in plan.items()}
+
+
 def run_bench(
     json_path: Path,
     png_path: Path | None,
     quick: bool,
     progress: Callable[[str], None],
     sections: Sequence[str] = SECTIONS,
+    names: Sequence[str] = (),
 ) -> list[Row]:
     runs = 3 if quick else 5
     run_bytes = 16 * MIB if quick else 128 * MIB
     rows: list[Row] = []
-    for block_bytes, plan in scenarios(quick).items():
+    for block_bytes, plan in selected(scenarios(quick), names).items():
         control = block_bytes == 64 * KIB and "control" in sections
-        if "transfers" not in sections and not control:
+        if ("transfers" not in sections or not plan) and not control:
             continue
-        max_blocks = max(s.blocks for s in plan)
+        max_blocks = max((s.blocks for s in plan), default=1)
         layout = KvLayout(1, max(256, 2 * max_blocks), block_bytes)
         with TransferPair(layout) as pair, TransferPair(layout, same_node=True) as local_pair:
             pair.fill_producer(seed=block_bytes)
@@ -611,7 +622,13 @@ def render(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main_bench(json_path: Path, png_path: Path | None, quick: bool, sections: Sequence[str] = SECTIONS) -> int:
+def main_bench(
+    json_path: Path,
+    png_path: Path | None,
+    quick: bool,
+    sections: Sequence[str] = SECTIONS,
+    names: Sequence[str] = (),
+) -> int:
     def progress(message: str) -> None:
         print(f"  {message}", file=sys.stderr, flush=True)
 
@@ -619,9 +636,14 @@ def main_bench(json_path: Path, png_path: Path | None, quick: bool, sections: Se
     if unknown:
         print(f"kvsidecar bench: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
         return 2
+    try:
+        selected(scenarios(quick), names)
+    except ValueError as exc:
+        print(f"kvsidecar bench: {exc}")
+        return 2
 
     started = time.monotonic()
-    rows = run_bench(json_path, png_path, quick, progress, sections)
+    rows = run_bench(json_path, png_path, quick, progress, sections, names)
     print(render(rows))
     print(
         f"\n{len(rows)} rows in {time.monotonic() - started:.0f}s -> {json_path}"

@@ -92,6 +92,25 @@ def test_a_daemon_start_interrupted_before_it_is_ready_leaves_no_daemon(workdir:
     assert daemon.process.poll() is not None, "the daemon outlived the interrupted start"
 
 
+def test_bench_runs_only_the_scenarios_it_is_given(tmp_path: Path) -> None:
+    """``--scenarios``: an issue's rows in one invocation, every path of each; an unknown name is
+    refused before anything starts."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "sidecar.app.cli", "bench", "--quick", "--only", "transfers", "--json", str(out)]
+    result = subprocess.run(
+        [*command, "--scenarios", "64KiBx1-adjacent-c1"], capture_output=True, text=True, timeout=300, env=python_env()
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {row["scenario"] for row in rows} == {"64KiBx1-adjacent-c1"}
+    assert {"kvsidecar-push", "kvsidecar-pull", "raw-nixl", "raw-nixl-2proc", "memcpy"} <= {row["path"] for row in rows}
+    assert all(row["verified"] for row in rows)
+    refused = subprocess.run(
+        [*command, "--scenarios", "3KiBx7-adjacent-c1"], capture_output=True, text=True, timeout=60, env=python_env()
+    )
+    assert refused.returncode == 2 and "unknown scenario(s) 3KiBx7-adjacent-c1" in refused.stdout
+
+
 def test_bench_quick_writes_rows_for_every_path_and_verifies_their_bytes(tmp_path: Path) -> None:
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     result = subprocess.run(

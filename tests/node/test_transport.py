@@ -301,3 +301,49 @@ def test_polling_only_for_a_peer_to_wire_up_backs_off_further_than_while_work_is
     # Within 100 ms of activity both poll every 200 us (a peer's first transfer follows at once).
     for only_connects in (False, True):
         assert next_poll_delay(0.0002, 0.05, poll_max, only_connects) == 0.0002
+
+
+def test_a_peer_agent_registered_again_gets_its_lists_prepared_anew() -> None:
+    """Prepared descriptor lists are reused across transfers, keyed by the remote agent's name:
+    when the peer's agent of that name comes back over other memory (new metadata), the lists
+    prepared against the old one must go with it, so a READ takes the bytes from the new memory,
+    never from the old addresses (which here still hold other bytes, mapped and registered)."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        peer = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
+        reader = NixlTransport(NixlSettings(), lambda batch, seen_at: None)
+        peer.start(loop)
+        reader.start(loop)
+        size = LAYERS * BLOCKS * BLOCK_LEN
+        with SharedBuffer(size) as old, SharedBuffer(size) as new, SharedBuffer(size) as target:
+            old.array[:] = 0x11
+            new.array[:] = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+            dst = layout(target.array.ctypes.data)
+            await reader.create_agent("reader", [(target.array.ctypes.data, size, 0)], "DRAM")
+            peer.expect_notifications(1)  # the peer progresses (wire-up, notifications)
+            ids = (tuple(range(BLOCKS)),)
+            local_list = DlistSpec("whole", lambda: view_descriptors(dst, Slice()))
+
+            async def read_from(buffer: SharedBuffer) -> None:
+                src = layout(buffer.array.ctypes.data)
+                meta = await peer.create_agent("kv", [(buffer.array.ctypes.data, size, 0)], "DRAM")
+                remote_list = DlistSpec("whole", lambda: view_descriptors(src, Slice()))
+                result = await reader.transfer(TransferSpec(
+                    "reader", "READ", RemoteAgent("kv", meta), local_list, descriptor_indices(dst, ids),
+                    remote_list, descriptor_indices(src, ids), b"", time.monotonic() + 10,
+                ))  # fmt: skip
+                assert result.ok, result.error
+
+            await read_from(old)
+            assert (target.array == 0x11).all()
+            await peer.drop_agent("kv")  # the old memory stays mapped and keeps its bytes
+            await read_from(new)
+            assert np.array_equal(target.array, new.array), "the READ used the lists of the old registration"
+            peer.expect_notifications(-1)
+            await reader.drop_agent("reader")
+            await peer.drop_agent("kv")
+        await reader.stop()
+        await peer.stop()
+
+    asyncio.run(scenario())

@@ -77,6 +77,11 @@ log = get_logger("kvsidecar.transport")
 
 # How long a post waits in place for a small transfer to complete.
 _POST_SPIN_S = 0.00005
+# How long the owner thread polls without sleeping while a split transfer's last chunk waits for
+# its earlier chunks' DONE: over CMA each chunk's copy ran inside its post and NIXL reports DONE
+# two progress calls (~50-100 us) later, so a timed sleep here (~100 us with the timer's slack)
+# was most of a chunk's cost. Bounded, for a backend whose chunks complete on their own time.
+_CHUNK_WAIT_SPIN_S = 0.0003
 _NOTHING = object()  # "no command" marker in the owner loop
 _DEFERRED = object()  # a command body that completes its future later
 # Wakes the owner thread for a rise of the expected count or a warm period (no command body, no
@@ -228,6 +233,8 @@ class NixlTransport:
                 item = self._commands.get()  # nothing in flight or expected: sleep until told
             elif self._splits and self._splits.any_ready():
                 item = self._next_command()  # a chunk is ready: take what is queued, do not sleep
+            elif self._splits and time.monotonic() - last_activity < _CHUNK_WAIT_SPIN_S:
+                item = self._next_command()  # a last chunk waits for its earlier chunks' DONE, due now
             else:
                 self._post_priority.lower()
                 hot = time.monotonic() - last_activity < HOT_WINDOW_S
@@ -393,7 +400,12 @@ class NixlTransport:
     def _post_chunk(self, split: Split, index: int) -> None:
         handle = split.make(index)
         now = time.monotonic()
-        self._launch(split.owner, split.agent_name, split.op, handle, split.deadline, split.future, now, split)
+        # Only the last chunk is waited for in place: an earlier one's DONE is seen by the polls
+        # between the next chunks' posts (spinning on each cost ~50 us a chunk for nothing).
+        last = index == split.chunks - 1
+        self._launch(
+            split.owner, split.agent_name, split.op, handle, split.deadline, split.future, now, split, spin=last
+        )
 
     def _end_split(self, split: Split, result: TransferResult) -> None:
         if self._on_xfer_done is not None and split.observed:
@@ -527,6 +539,7 @@ class NixlTransport:
         split: Split | None = None,
         queued: float = 0.0,
         observed: bool = True,
+        spin: bool = True,
     ) -> object:
         xfer = Post(agent_name, handle, op, deadline, future, now, split=split, queued=queued, observed=observed)
         xfer_id = next(self._ids)
@@ -540,7 +553,7 @@ class NixlTransport:
         xfer.posted = time.monotonic()
         # Small transfers complete within microseconds: check a few times before leaving it to
         # the poll loop, whose sleeps are ~60 us at the finest.
-        spin_until = time.perf_counter() + _POST_SPIN_S
+        spin_until = time.perf_counter() + (_POST_SPIN_S if spin else 0.0)
         while status == "PROC" and time.perf_counter() < spin_until:
             try:
                 status = state.agent.check_xfer_state(handle)
