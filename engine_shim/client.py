@@ -13,8 +13,9 @@ tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stu
   calls on a few long-lived RPC threads: grpc's own futures start a fresh "channel spin" thread
   whenever the channel was idle, and ``Thread.start()`` waits until that thread runs, which
   stalled vLLM's scheduler thread for 30-400 ms on a busy 2-core machine.
-- ``EventWatcher`` drains one worker's WatchEvents stream in a daemon thread into a queue; the
-  owner reads it without blocking (``drain``) or with a bound (``wait``).
+- ``EventWatcher`` (``engine_shim.events``) drains one worker's events into a queue, over the
+  session stream when the sidecar has it, else over WatchEvents; the owner reads it without
+  blocking (``drain``) or with a bound (``wait``).
 - Every call carries the session token the sidecar's credential socket gave this process after
   checking its uid (``kvsidecar.engine_auth``); ``engine_channel`` is such a channel for code that
   uses the stubs directly (tools, tests). The token is fetched at the first call and again when
@@ -28,10 +29,9 @@ import collections
 import concurrent.futures
 import logging
 import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -40,6 +40,7 @@ import grpc
 from google.protobuf.message import Message
 
 from engine_shim import messages
+from engine_shim.events import EventWatcher as EventWatcher
 from engine_shim.messages import BlockIdsLike as BlockIdsLike
 from engine_shim.messages import grouped as grouped
 from engine_shim.messages import remote as remote
@@ -368,101 +369,3 @@ class SidecarClient:
 
     def unsubscribe_connectivity(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
         self._channel.unsubscribe(callback)
-
-
-class EventWatcher:
-    """Drains one worker's WatchEvents stream into a queue from a daemon thread.
-
-    ``connected`` turns true at WATCH_STARTED; when the stream ends (the sidecar stopped, or it
-    dropped the worker) ``closed`` is set and ``on_closed`` runs with the reason. Events never
-    block the caller: ``drain()`` returns what arrived, ``wait()`` waits with a bound.
-    """
-
-    def __init__(
-        self,
-        client: SidecarClient,
-        engine_id: str,
-        tp_rank: int = 0,
-        pp_rank: int = 0,
-        on_closed: Callable[[str], None] | None = None,
-        on_event: Callable[[engine_pb2.Event], None] | None = None,
-    ) -> None:
-        self.engine_id = engine_id
-        self.sidecar_id = ""
-        self.connected = threading.Event()
-        self.closed = threading.Event()
-        self.close_reason = ""
-        self._events: queue.SimpleQueue[engine_pb2.Event] = queue.SimpleQueue()
-        self._on_closed = on_closed
-        self._on_event = on_event
-        request = engine_pb2.WatchEventsRequest(engine_id=engine_id, tp_rank=tp_rank, pp_rank=pp_rank)
-        self._call = client.stub.WatchEvents(request)
-        self._thread = threading.Thread(target=self._run, name=f"kvsidecar-events-{engine_id}-tp{tp_rank}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        reason = "the stream ended"
-        try:
-            for event in self._call:
-                if event.kind == engine_pb2.WATCH_STARTED:
-                    self.sidecar_id = event.sidecar_id
-                    self.connected.set()
-                    continue
-                if self._on_event is not None:
-                    self._on_event(event)
-                else:
-                    self._events.put(event)
-        except grpc.RpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-        finally:
-            self.close_reason = reason
-            self.closed.set()
-            if self._on_closed is not None:
-                self._on_closed(reason)
-
-    def wait_connected(self, timeout: float) -> None:
-        if not self.connected.wait(timeout):
-            raise TimeoutError(f"WatchEvents did not start within {timeout}s ({self.close_reason or 'no answer'})")
-
-    def drain(self) -> list[engine_pb2.Event]:
-        events = []
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
-
-    def wait(self, timeout: float) -> engine_pb2.Event | None:
-        """The next event, or None after ``timeout`` seconds."""
-        try:
-            return self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def wait_for(
-        self, request_ids: Iterable[str], timeout: float, kinds: Iterable[int] | None = None
-    ) -> dict[str, engine_pb2.Event]:
-        """Wait until a terminal event arrived for every request id (bounded). Other events are kept."""
-        wanted = set(request_ids)
-        allowed = set(kinds) if kinds is not None else None
-        found: dict[str, engine_pb2.Event] = {}
-        kept: list[engine_pb2.Event] = []
-        deadline = time.monotonic() + timeout
-        while wanted - found.keys():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            event = self.wait(remaining)
-            if event is None:
-                break
-            if event.request_id in wanted and (allowed is None or event.kind in allowed):
-                found[event.request_id] = event
-            else:
-                kept.append(event)
-        for event in kept:
-            self._events.put(event)
-        return found
-
-    def cancel(self) -> None:
-        self._call.cancel()
-        self._thread.join(timeout=5.0)

@@ -9,14 +9,22 @@ are ready (the sidecar runs each through the handler of its unary RPC).
 - A call's answer completes its Future with the response or with a ``SessionCallError``, a
   ``grpc.RpcError`` carrying the same code and details the unary call would have raised. A call
   not answered by its deadline fails DEADLINE_EXCEEDED (the sweeper thread), as a unary one does.
-- A stream that breaks fails its calls in flight with the reason (its status) and is reopened at
-  the next call after a backoff (``_MIN_BACKOFF_S`` doubling to ``_MAX_BACKOFF_S``); calls go unary
-  meanwhile. A refusal for a stale session token (the sidecar restarted) renews the token first.
+- ``EngineSession.watch`` subscribes the open stream to one worker's events (a WatchEvents call on
+  it): the sidecar sends them batched in ``SessionAnswers.events``, and the reader hands each
+  message's events for that watch to ``on_events`` in one call. ``on_end`` gets the status the
+  watch ended with: the sidecar's answer (UNIMPLEMENTED from a sidecar without the feature: use the
+  WatchEvents RPC), or the broken stream's. A message's answers are applied before its events,
+  and the answers that end watches after them.
+- A stream that breaks fails its calls in flight with the reason (its status), ends its watches
+  with it, and is reopened at the next call after a backoff (``_MIN_BACKOFF_S`` doubling to
+  ``_MAX_BACKOFF_S``); calls go unary meanwhile. A refusal for a stale session token (the sidecar
+  restarted) renews the token first.
 
 Threads: callers (any thread) put calls on the stream's outbox; gRPC's request thread takes them
 off in batches (``_Stream.requests``); the stream's reader thread ``kvsidecar-session`` opens the
-stream and completes Futures with its answers; the sweeper thread ``kvsidecar-session-deadlines``
-fails calls past their deadline. One lock guards the stream state and the calls in flight.
+stream, completes Futures with its answers and runs the watches' callbacks with their events;
+the sweeper thread ``kvsidecar-session-deadlines`` fails calls past their deadline. One lock
+guards the stream state and the calls in flight.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -69,14 +77,38 @@ class _Pending:
         self.response_type = response_type
 
 
+EventsCallback = Callable[[Sequence[engine_pb2.Event]], None]
+EndCallback = Callable[[grpc.StatusCode, str], None]
+
+
+class _Watch:
+    __slots__ = ("on_end", "on_events")
+
+    def __init__(self, on_events: EventsCallback, on_end: EndCallback) -> None:
+        self.on_events = on_events
+        self.on_end = on_end
+
+
+class WatchHandle:
+    """A watch on the session stream (``EngineSession.cancel_watch`` ends it)."""
+
+    __slots__ = ("call_id", "stream")
+
+    def __init__(self, stream: _Stream, call_id: int) -> None:
+        self.stream = stream
+        self.call_id = call_id
+
+
 class _Stream:
-    """One Session call: the calls waiting to be sent and those waiting for their answers."""
+    """One Session call: the calls waiting to be sent, those waiting for their answers, its watches."""
 
     def __init__(self) -> None:
         self.outbox: queue.SimpleQueue[engine_pb2.SessionCall | None] = queue.SimpleQueue()
         self.pending: dict[int, _Pending] = {}
+        self.watches: dict[int, _Watch] = {}
         self.call: Any = None
         self.opened = False
+        self.settled = threading.Event()  # it opened, or it ended
 
     def requests(self) -> Iterator[engine_pb2.SessionCalls]:
         """What gRPC sends: every call ready at once in one message; None half-closes."""
@@ -148,13 +180,45 @@ class EngineSession:
         )
         return future
 
+    def watch(
+        self, request: engine_pb2.WatchEventsRequest, on_events: EventsCallback, on_end: EndCallback
+    ) -> WatchHandle | None:
+        """Subscribe the open stream to a worker's events (see the module doc); None when no stream
+        is open. The callbacks run on the reader thread; ``on_end`` runs once, last."""
+        with self._lock:
+            stream = self._stream
+            if stream is None or self._closed:
+                return None
+            call_id = next(self._ids)
+            stream.watches[call_id] = _Watch(on_events, on_end)
+        stream.outbox.put(
+            engine_pb2.SessionCall(call_id=call_id, method="WatchEvents", request=request.SerializeToString())
+        )
+        return WatchHandle(stream, call_id)
+
+    def cancel_watch(self, handle: WatchHandle) -> None:
+        """End a watch (the sidecar detaches it, as from a cancelled WatchEvents stream); its
+        ``on_end`` runs now with CANCELLED, unless it ended already."""
+        with self._lock:
+            watch = handle.stream.watches.pop(handle.call_id, None)
+        if watch is None:
+            return
+        handle.stream.outbox.put(engine_pb2.SessionCall(call_id=handle.call_id, cancel=True))
+        watch.on_end(grpc.StatusCode.CANCELLED, "cancelled by the client")
+
     def wait_open(self, timeout: float) -> bool:
-        """Open the stream if none is, and wait (bounded) until it is; False if it did not open."""
+        """Open the stream if none is, and wait (bounded) until it is open or the attempt failed
+        (an older sidecar answers at once); False if it did not open."""
         with self._lock:
             if self._stream is None:
                 self._retry_at = 0.0
                 self._open_locked()
-        return self.opened.wait(timeout)
+            if self._stream is not None:
+                return True
+            attempt = self._opening
+        if attempt is not None:
+            attempt.settled.wait(timeout)
+        return self.opened.is_set()
 
     def close(self, timeout: float) -> None:
         """Half-close the stream (the sidecar answers the calls in flight, then ends it), wait for
@@ -213,10 +277,14 @@ class EngineSession:
                     stream.opened = True
                     self._backoff = _MIN_BACKOFF_S
                     self.opened.set()
+            stream.settled.set()
             log.debug("engine session stream open")
             for answers in stream.call:
-                for answer in answers.answers:
-                    self._answered(stream, answer)
+                if answers.events or stream.watches:
+                    self._delivered(stream, answers)
+                else:
+                    for answer in answers.answers:
+                        self._answered(stream, answer)
         except StopIteration:
             details = "the sidecar ended the engine session stream before opening it"
         except grpc.RpcError as exc:
@@ -241,6 +309,25 @@ class EngineSession:
                 SessionCallError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message)
             )
 
+    def _delivered(self, stream: _Stream, message: engine_pb2.SessionAnswers) -> None:
+        """A message with events, or on a stream with watches: its answers, its events, then the
+        answers that end watches (those come after their watch's last events)."""
+        ends: list[engine_pb2.SessionAnswer] = []
+        for answer in message.answers:
+            if answer.call_id in stream.watches:
+                ends.append(answer)
+            else:
+                self._answered(stream, answer)
+        for group in message.events:
+            watch = stream.watches.get(group.call_id)
+            if watch is not None:
+                watch.on_events(group.events)
+        for answer in ends:
+            with self._lock:
+                ended = stream.watches.pop(answer.call_id, None)
+            if ended is not None:
+                ended.on_end(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.message)
+
     def _ended(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
         """The stream is over: fail its calls in flight with why, and decide when to reopen."""
         stale_token = code == grpc.StatusCode.PERMISSION_DENIED and NO_TOKEN in details
@@ -251,6 +338,7 @@ class EngineSession:
             if self._opening is stream:
                 self._opening = None
             pending, stream.pending = stream.pending, {}
+            watches, stream.watches = stream.watches, {}
             now = time.monotonic()
             if code == grpc.StatusCode.UNIMPLEMENTED and not stream.opened:
                 self._retry_at = now + _UNSUPPORTED_RECHECK_S
@@ -261,6 +349,7 @@ class EngineSession:
                 self._retry_at = now + self._backoff
                 self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
             closed = self._closed
+        stream.settled.set()
         stream.outbox.put(None)  # ends gRPC's request thread
         if code == grpc.StatusCode.UNIMPLEMENTED and not stream.opened:
             log.info("the sidecar has no engine session stream (an older one): unary calls")
@@ -272,6 +361,8 @@ class EngineSession:
         error = SessionCallError(grpc.StatusCode.CANCELLED, "the client closed") if closed else None
         for call in pending.values():
             call.future.set_exception(error or SessionCallError(code, details))
+        for watch in watches.values():
+            watch.on_end(*((error.code(), error.details()) if error else (code, details)))
 
     def _sweep(self) -> None:
         """Fail calls past their deadline (the sidecar bounds them too; this bounds a lost one)."""

@@ -39,7 +39,7 @@ BASELINE_FEATURES: tuple[str, ...] = (
 # Announced since: the feature list itself, the engine Session stream, the peer Stream, node-local
 # GPU device copies (WorkerDescriptor.node_local_exports), target-side host staging (Stage), the
 # self-test host (SelfTestService), push staging into a GPU consumer (StagingPool.accepts_push,
-# Stage with inbound).
+# Stage with inbound), a worker's events on the engine Session stream (SessionAnswers.events).
 FEATURES: tuple[str, ...] = (
     *BASELINE_FEATURES,
     "features",
@@ -49,6 +49,7 @@ FEATURES: tuple[str, ...] = (
     "target_staging",
     "selftest",
     "push_staging",
+    "session_events",
 )
 
 

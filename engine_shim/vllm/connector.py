@@ -10,9 +10,10 @@ Loaded by vLLM with::
 What it owns (and nothing else: NIXL, handshakes, leases and heartbeats live in the sidecar):
 
 - **Worker role** (one instance per TP/PP rank, in vLLM's worker process): the KV cache's shared
-  memory, its registration with the sidecar (``RegisterWorker``), and that rank's ``WatchEvents``
-  stream. Completions are drained into a local queue by the watcher thread; vLLM's per-step calls
-  (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read that queue.
+  memory, its registration with the sidecar (``RegisterWorker``), and that rank's events (a
+  WatchEvents call on its engine session stream, ``engine_shim.events``; the WatchEvents RPC with
+  an older sidecar). Completions are put on a local queue by the stream's reader thread; vLLM's
+  per-step calls (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read that queue.
 - **Scheduler role** (one instance per engine, in the EngineCore process): request-level calls
   (``SubmitBlocks``, ``Pull``, ``ExpectPush``, ``Release``) issued as gRPC futures, so
   ``schedule()`` never waits on the sidecar, and vLLM's ``kv_transfer_params`` with their usual
@@ -21,8 +22,9 @@ What it owns (and nothing else: NIXL, handshakes, leases and heartbeats live in 
 Threads:
 - vLLM's scheduler thread calls every scheduler-role method; gRPC callback threads complete the
   futures and only append to the scheduler roles' deques or set plain flags;
-- vLLM's worker thread calls every worker-role method; one ``EventWatcher`` thread per
-  registration puts events on ``WorkerSide._inbox``; a supervisor thread re-registers after the
+- vLLM's worker thread calls every worker-role method; the ``EventWatcher``'s reader thread (the
+  session's ``kvsidecar-session``, or its own on the WatchEvents fallback) puts events on
+  ``WorkerSide._inbox``; a supervisor thread re-registers after the
   stream closes (a restarted sidecar) and announces it through the same queue, so all request
   state of the worker is touched by vLLM's worker thread only.
 

@@ -3,7 +3,9 @@ rank, in vLLM's worker process).
 
 It owns the rank's KV cache allocation hook and export (``engine_shim.vllm.kv_memory`` in DRAM,
 ``kv_cuda`` on a GPU), its description (``kv_layout``), its registration with the sidecar
-(``RegisterWorker``) and its ``WatchEvents`` stream. vLLM's per-step calls
+(``RegisterWorker``) and its events (``EventWatcher``: a WatchEvents call on its client's
+engine session stream, the only stream it holds; the WatchEvents RPC with an older sidecar).
+vLLM's per-step calls
 (``get_transfer_results``, ``get_block_ids_with_load_errors``) only read a local queue, except
 that in a step where vLLM scheduled no token while transfers are outstanding,
 ``get_transfer_results`` waits on that queue for up to ``idle_wait`` (the engine loop would
@@ -12,10 +14,11 @@ that step). Anything reaching the EngineCore meanwhile ends the wait (``input_wa
 request's call -> event seen -> step applied times go to the stats
 (``vllm:kvsidecar_call_to_event_seconds`` and ``_event_to_step_seconds``).
 
-Threads: vLLM's worker thread calls every method and owns all request state. One ``EventWatcher``
-thread per registration puts events on ``_inbox``; a supervisor thread re-registers after the
-stream closes (a restarted sidecar) and announces it through the same queue; the wake listener's
-thread puts ``_WAKE`` there when the EngineCore received a request.
+Threads: vLLM's worker thread calls every method and owns all request state. The watcher's reader
+thread (the session stream's, or the WatchEvents fallback's own) puts events on ``_inbox``; a
+supervisor thread re-registers after the stream closes (a restarted sidecar) and announces it
+through the same queue; the wake listener's thread puts ``_WAKE`` there when the EngineCore
+received a request.
 
 How failures reach vLLM: a request call the scheduler saw fail arrives in the step's metadata; the
 worker puts the request in ``finished_recving`` *and* ``failed_recving`` (and its blocks in the

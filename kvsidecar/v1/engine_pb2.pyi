@@ -491,16 +491,18 @@ class GetStatusResponse(_message.Message):
     def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., held_blocks: _Optional[int] = ...) -> None: ...
 
 class SessionCall(_message.Message):
-    __slots__ = ("call_id", "method", "request", "timeout_seconds")
+    __slots__ = ("call_id", "method", "request", "timeout_seconds", "cancel")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     method: str
     request: bytes
     timeout_seconds: float
-    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    cancel: bool
+    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., request: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class SessionCalls(_message.Message):
     __slots__ = ("calls",)
@@ -520,8 +522,18 @@ class SessionAnswer(_message.Message):
     response: bytes
     def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
 
+class SessionEvents(_message.Message):
+    __slots__ = ("call_id", "events")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, call_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
 class SessionAnswers(_message.Message):
-    __slots__ = ("answers",)
+    __slots__ = ("answers", "events")
     ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     answers: _containers.RepeatedCompositeFieldContainer[SessionAnswer]
-    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[SessionEvents]
+    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[SessionEvents, _Mapping]]] = ...) -> None: ...

@@ -210,6 +210,10 @@ class EngineServiceServicer:
         is open. A call's timeout_seconds bounds it as a deadline bounds a unary call. The sidecar
         ends the stream when it shuts down; calls in flight then fail with the stream's status, and
         the client reconnects. A sidecar without this RPC answers UNIMPLEMENTED: use the unary RPCs.
+        A worker's events ride it too: a WatchEvents call on the stream subscribes to them, and they
+        come in SessionAnswers.events, several per message when several are ready (a sidecar that
+        announces the "session_events" feature; an older one answers that call UNIMPLEMENTED: use the
+        WatchEvents RPC).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -4,7 +4,8 @@ then one line calling the part of the node that owns it.
 Validation lives in the owners; logging context, metrics and the mapping of errors to statuses
 in ``api.interceptor``; who may act on which engine in ``api.engine_auth`` ("Whose engine").
 ``Session`` carries these same unary calls on one stream per engine client: ``api.session`` runs
-each through the handler its unary RPC runs. Runs on the event loop thread."""
+each through the handler its unary RPC runs, and a worker's events as its WatchEvents would.
+Runs on the event loop thread."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvsidecar.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from sidecar.api.engine_auth import CALLER, acting_uid
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.session import SessionDispatcher
+from sidecar.core.events import Subscription
 from sidecar.core.node import Node
 from sidecar.errors import PermissionDenied
 from sidecar.logs import get_logger
@@ -34,7 +36,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._registry = node.registry
         # The session stream's calls run the handlers the server's interceptor would wrap these
         # methods in (same metrics, so they count as the unary calls they stand for).
-        self._session = SessionDispatcher(self, CallInterceptor(node.metrics), lambda: node.tasks.draining)
+        self._session = SessionDispatcher(
+            self, CallInterceptor(node.metrics), lambda: node.tasks.draining, watch=self._watch_on_session
+        )
 
     def _may_act(self, engine_id: str, method: str) -> int | None:
         """The caller's uid if it may act only on its own engines (None: on any); refuses a call
@@ -106,6 +110,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._may_act(request.engine_id, "WatchEvents")
         async for event in self._events.watch(request):
             yield event
+
+    async def _watch_on_session(self, request: engine_pb2.WatchEventsRequest, context: object) -> Subscription:
+        """A WatchEvents call on the session stream: the same check, the same watch."""
+        self._may_act(request.engine_id, "WatchEvents")
+        return self._events.subscribe(request)
 
     async def Trace(
         self, request: common_pb2.TraceRequest, context: grpc.aio.ServicerContext

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvsidecar import voucher
@@ -54,6 +55,8 @@ class Worker:
     fingerprint: bytes
     events: asyncio.Queue[engine_pb2.Event | StreamClosed]
     watchers: int = 0
+    # Called after each event queued (``core.events``): wakes a session stream that watches it.
+    listeners: list[Callable[[], None]] = field(default_factory=list)
     overflowed: bool = False
     attach_timer: asyncio.TimerHandle | None = None
     # A VRAM worker's: the sidecar's pinned pool registered with its agent, (address, length,

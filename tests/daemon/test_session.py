@@ -87,21 +87,26 @@ def test_the_session_needs_a_token_and_rejects_what_unary_rejects(sidecars) -> N
     calls = [
         call,
         engine_pb2.SessionCall(call_id=2, method="GetStatus", request=b"\xff\xff\xff", timeout_seconds=5),
-        engine_pb2.SessionCall(call_id=3, method="WatchEvents", request=b"", timeout_seconds=5),
+        engine_pb2.SessionCall(call_id=3, method="Session", request=b"", timeout_seconds=5),
         engine_pb2.SessionCall(call_id=4, method="NoSuchMethod", request=b"", timeout_seconds=5),
+        engine_pb2.SessionCall(call_id=5, method="WatchEvents", request=b"", timeout_seconds=5),
     ]
     with engine_channel(side.socket) as channel:
         stream = engine_pb2_grpc.EngineServiceStub(channel).Session(iter([engine_pb2.SessionCalls(calls=calls)]))
         answers = {answer.call_id: answer for message in stream for answer in message.answers}
         with pytest.raises(grpc.RpcError) as garbage:
             channel.unary_unary("/kvsidecar.v1.EngineService/GetStatus")(b"\xff\xff\xff", timeout=10)
+        with pytest.raises(grpc.RpcError) as no_engine:
+            list(engine_pb2_grpc.EngineServiceStub(channel).WatchEvents(engine_pb2.WatchEventsRequest(), timeout=10))
     assert answers[1].code == 0
     assert engine_pb2.GetStatusResponse.FromString(answers[1].response).sidecar.sidecar_id == side.sidecar_id
     # An undecodable request: INVALID_ARGUMENT with the same message a unary call gets.
     assert (answers[2].code, answers[2].message) == (garbage.value.code().value[0], garbage.value.details())
     assert answers[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    # Streaming and unknown methods are not callable on the session.
+    # Unknown methods and streaming ones other than WatchEvents are not callable on the session.
     assert answers[3].code == answers[4].code == grpc.StatusCode.UNIMPLEMENTED.value[0]
+    # WatchEvents is (tests/daemon/test_session_events.py), refused as the RPC refuses it.
+    assert (answers[5].code, answers[5].message) == (no_engine.value.code().value[0], no_engine.value.details())
 
 
 def test_a_broken_session_fails_its_calls_in_flight_and_the_next_calls_work(sidecars) -> None:
