@@ -41,6 +41,8 @@ LAYERS = 4
 
 def run_mode(args: argparse.Namespace, workdir: Path, mode: str) -> dict[str, Any]:
     settings = ["--set", f"max_pending_requests={args.max_pending}"]
+    if args.max_queue_delay_ms is not None:
+        settings += ["--set", f"admission_max_queue_delay_ms={args.max_queue_delay_ms}"]
     sidecars = [DaemonProcess(workdir, f"{name}-{mode}", settings) for name in ("p", "d")]
     engines: list[ShimEngine] = []
     try:
@@ -105,7 +107,7 @@ def _line(result: PhaseResult) -> str:
         f"offered {result.rate:.0f}/s reached {result.reached_per_s:.0f}/s moved {result.moved_per_s:.0f}/s "
         f"p50 {result.p50_s * 1000:.1f} ms p99 {result.p99_s * 1000:.1f} ms (sidecar p50 "
         f"{result.sidecar_p50_s * 1000:.1f} p99 {result.sidecar_p99_s * 1000:.1f}) {result.counts} "
-        f"engine_full {result.engine_full} {result.refusal_codes}"
+        f"engine_full {result.engine_full} {result.refusal_codes} (locally {result.refused_locally})"
     )
 
 
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="each burst (2x, 10x)")
     parser.add_argument("--warm", type=float, default=10.0, help="capacity, unloaded and recovery phases")
     parser.add_argument("--max-pending", type=int, default=8, help="the sidecars' max_pending_requests")
+    parser.add_argument("--max-queue-delay-ms", type=float, help="the sidecars' admission bound (ms)")
     parser.add_argument("--lanes", type=int, default=4, help="requests in flight while measuring capacity")
     parser.add_argument("--slots", type=int, default=32, help="requests the engines have KV blocks for at once")
     parser.add_argument("--blocks", type=int, default=4, help="blocks per request (per layer)")

@@ -94,7 +94,8 @@ class ProducerSide:
             self.leases.extend(existing.key, time.monotonic() + lease)
             self._hold_vouched(existing, request.vouched_until_ms)
             return self._submitted(engine, lease, existing.writing)
-        ctx.tasks.check_capacity(len(self.requests))
+        # A push's WRITEs are this node's work: admitted by queueing delay too (``core.admission``).
+        ctx.tasks.check_capacity(len(self.requests), transfer=request.mode == common_pb2.TRANSFER_MODE_PUSH)
         pending = ProducerRequest(
             engine_id=request.engine_id,
             request_id=request.request_id,
