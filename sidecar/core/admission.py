@@ -9,13 +9,13 @@ what the node moves, which change. ``QueueDelay`` estimates the wait itself:
 
 ``throughput while busy`` is an EWMA of completions per second of busy time (time with at least
 one transfer in flight), sampled every ``SAMPLE`` completions: over busy time, not wall time, so
-an arrival-limited rate does not make a fast node look slow. ``one request's own time alone`` is
-an EWMA of the time of requests that ran with no other in flight (their service time, with no
-contention). ``in flight / throughput`` is when the work ahead is done; a request admitted now
-takes its own time anyway, the rest is what it waits. So a node whose transfers run in parallel (large ones on
-a fast link) estimates no wait until they contend, and a saturated one ``in flight / capacity``
-less the service time. A request with nothing ahead is always admitted (progress is never
-refused); before the first sample there is no estimate.
+an arrival-limited rate does not make a fast node look slow. ``one request's own time alone``
+tracks requests that ran with no other in flight, following faster ones at once and slower ones
+slowly: the service time without contention. ``in flight / throughput`` is when the work ahead is
+done; a request admitted now takes its own time anyway, the rest is what it waits. So a node
+whose transfers run in parallel (large ones on a fast link) estimates no wait until they contend,
+and a saturated one ``in flight / capacity`` less the service time. A request with nothing ahead
+is always admitted (progress is never refused); before the first sample there is no estimate.
 
 Only requests whose time in the node is the node's own work count: the consumer's pulls (its
 READs) and the producer's pushes once matched (its WRITEs). A consumer's push waits on the
@@ -40,6 +40,10 @@ from sidecar.errors import ResourceExhausted
 # Completions per throughput sample, and the EWMA weight of a new sample.
 SAMPLE = 8
 ALPHA = 0.25
+# A transfer's time alone follows a faster one at once and a slower one slowly: it stands for the
+# service time without contention (as Vegas' base RTT). Following slower ones at ALPHA would count
+# the CPU contention of an overloaded node as service, and admit more as the node slows.
+SOLO_DOWN, SOLO_UP = 0.5, 0.02
 # The retry hint's range (ms): at least a poll, at most what a burst's shape changes within.
 RETRY_MIN_MS, RETRY_MAX_MS = 1, 100
 
@@ -100,7 +104,8 @@ class QueueDelay:
         self._tickets.discard(ticket)
         if ticket.solo:
             took = now - ticket.started
-            self.solo_s = took if not self.solo_s else self.solo_s + ALPHA * (took - self.solo_s)
+            weight = SOLO_DOWN if took < self.solo_s else SOLO_UP
+            self.solo_s = took if not self.solo_s else self.solo_s + weight * (took - self.solo_s)
         self._done += 1
         if self._done >= SAMPLE and self._busy > 0:
             sample = self._done / self._busy

@@ -59,6 +59,8 @@ class PhaseResult:
     refusal_reasons: list[str] = field(default_factory=list)
     # Refusals the engine made itself, backing off after a sidecar's (``engine_shim.backoff``).
     refused_locally: int = 0
+    # Refusals by the call refused and the bound: "D Pull: delay", "P SubmitBlocks: count", ...
+    refusals_by: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, rate: float, seconds: float, outcomes: list[Outcome], engine_full: int = 0) -> PhaseResult:
@@ -71,13 +73,29 @@ class PhaseResult:
                 codes[outcome.code] = codes.get(outcome.code, 0) + 1
                 reasons.add(f"{outcome.code}: {outcome.detail}")
         local = sum(1 for o in outcomes if o.kind == "refused" and BACKING_OFF in o.detail)
+        by: dict[str, int] = {}
+        for outcome in outcomes:
+            if outcome.kind == "refused":
+                kind = _refusal_kind(outcome.detail)
+                by[kind] = by.get(kind, 0) + 1
         latencies = [o.seconds for o in outcomes if o.kind == "moved"]
         own = [o.sidecar_s for o in outcomes if o.kind == "moved"]
         return cls(
             name, rate, seconds, counts, engine_full, len(outcomes) / seconds, len(latencies) / seconds,
             percentile(latencies, 0.5), percentile(latencies, 0.99), percentile(own, 0.5), percentile(own, 0.99),
-            codes, sorted(reasons)[:8], local,
+            codes, sorted(reasons)[:8], local, by,
         )  # fmt: skip
+
+
+def _refusal_kind(detail: str) -> str:
+    call = detail.split(":", 1)[0]
+    if BACKING_OFF in detail:
+        return f"{call}: backing off"
+    if "estimated queueing delay" in detail:
+        return f"{call}: delay"
+    if "requests are pending" in detail:
+        return f"{call}: count"
+    return f"{call}: other"
 
 
 def capacity(p: ShimEngine, d: ShimEngine, mode: str, lanes: int, seconds: float, pool: SlotPool) -> PhaseResult:

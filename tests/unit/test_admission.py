@@ -35,6 +35,17 @@ def serial(queue: QueueDelay, clock: Clock, count: int, each: float, gap: float 
         clock.now += gap
 
 
+def test_the_time_alone_follows_faster_transfers_at_once_and_slower_ones_slowly() -> None:
+    clock = Clock()
+    queue = QueueDelay("transfers", 0.010, clock)
+    serial(queue, clock, 4, 0.005)
+    assert queue.solo_s == pytest.approx(0.005)
+    serial(queue, clock, 4, 0.050)  # an overloaded machine slows everything: not service time
+    assert queue.solo_s < 0.010
+    serial(queue, clock, 4, 0.002)
+    assert queue.solo_s < 0.003
+
+
 def test_nothing_is_refused_before_a_measurement_or_with_nothing_ahead() -> None:
     clock = Clock()
     queue = QueueDelay("transfers", 0.001, clock)
