@@ -10,8 +10,8 @@ what the node moves, which change. ``QueueDelay`` estimates the wait itself:
 ``throughput while busy`` is an EWMA of completions per second of busy time (time with at least
 one transfer in flight), sampled every ``SAMPLE`` completions: over busy time, not wall time, so
 an arrival-limited rate does not make a fast node look slow. ``one request's own time alone``
-tracks requests that ran with no other in flight, following faster ones at once and slower ones
-slowly: the service time without contention. ``in flight / throughput`` is when the work ahead is
+follows faster transfers at once and slower ones slowly, and only those that ran with no other
+in flight: the service time without contention. ``in flight / throughput`` is when the work ahead is
 done; a request admitted now takes its own time anyway, the rest is what it waits. So a node
 whose transfers run in parallel (large ones on a fast link) estimates no wait until they contend,
 and a saturated one ``in flight / capacity`` less the service time. A request with nothing ahead
@@ -20,7 +20,8 @@ is always admitted (progress is never refused); before the first sample there is
 Only requests whose time in the node is the node's own work count: the consumer's pulls (its
 READs) and the producer's pushes once matched (its WRITEs). A consumer's push waits on the
 producer's prefill and a producer's pull on the consumer's engine; counting those would make
-waiting look like slowness.
+waiting look like slowness. A transfer that failed (a peer gone, a deadline) is no evidence of
+what the node moves: it drops the throughput sample it sat in.
 
 The refusal names the estimate, the bound and when to ask again (``retry after N ms``: about one
 request's share of the throughput, bounded), which ``engine_shim.backoff`` honours by refusing the
@@ -97,15 +98,24 @@ class QueueDelay:
         self.peak_in_flight = max(self.peak_in_flight, len(self._tickets))
         return ticket
 
-    def ended(self, ticket: Ticket) -> None:
+    def ended(self, ticket: Ticket, ok: bool = True) -> None:
+        """A transfer ended; ``ok``: it moved its bytes. A failed one (a peer gone, a deadline) says
+        nothing of what the node moves, and the busy time it sat through would read as slowness:
+        the sample in progress is dropped."""
         if ticket not in self._tickets:
             return
         now = self._advance()
         self._tickets.discard(ticket)
-        if ticket.solo:
-            took = now - ticket.started
-            weight = SOLO_DOWN if took < self.solo_s else SOLO_UP
-            self.solo_s = took if not self.solo_s else self.solo_s + weight * (took - self.solo_s)
+        if not ok:
+            self._done, self._busy = 0, 0.0
+            return
+        took = now - ticket.started
+        if not self.solo_s:
+            self.solo_s = took
+        elif took < self.solo_s:
+            self.solo_s += SOLO_DOWN * (took - self.solo_s)
+        elif ticket.solo:  # only a transfer that ran alone says the service itself got slower
+            self.solo_s += SOLO_UP * (took - self.solo_s)
         self._done += 1
         if self._done >= SAMPLE and self._busy > 0:
             sample = self._done / self._busy

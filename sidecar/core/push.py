@@ -146,8 +146,8 @@ class PushWriter:
     def forget(self, pending: ProducerRequest) -> None:
         """``pending`` ended: it can match no registration any more (and its WRITEs are done)."""
         self.matcher.remove_submission(pending.engine_id, pending.request_id)
-        if pending.queued is not None:
-            self._ctx.tasks.transfers.ended(pending.queued)
+        if pending.queued is not None:  # ended some other way than its WRITEs' end (which ends it)
+            self._ctx.tasks.transfers.ended(pending.queued, ok=False)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         """The producer engine is gone: consumers waiting for its pushes learn it now (not at their
@@ -441,6 +441,8 @@ class PushWriter:
             error = f"internal error: {type(exc).__name__}: {exc}"
         self._pushing.pop(registration.key, None)
         pending.writing = False
+        if pending.queued is not None:
+            ctx.tasks.transfers.ended(pending.queued, ok=not error)
         if error:
             ctx.metrics.failures.labels(reason="push_write").inc()
             log.warning(

@@ -46,6 +46,37 @@ def test_the_time_alone_follows_faster_transfers_at_once_and_slower_ones_slowly(
     assert queue.solo_s < 0.003
 
 
+def test_a_failed_transfer_is_no_evidence_of_throughput() -> None:
+    clock = Clock()
+    queue = QueueDelay("transfers", 0.020, clock)
+    serial(queue, clock, SAMPLE, 0.005)
+    assert queue.rate == pytest.approx(200.0)
+    # A consumer died: 3 pushes sit until their deadline, then fail; the node is not slower.
+    stuck = [queue.started() for _ in range(3)]
+    clock.now += 5.0
+    for ticket in stuck:
+        queue.ended(ticket, ok=False)
+    serial(queue, clock, 2 * SAMPLE, 0.005)
+    assert queue.rate == pytest.approx(200.0)
+    assert queue.solo_s == pytest.approx(0.005)
+
+
+def test_overlapping_transfers_only_lower_the_time_alone() -> None:
+    clock = Clock()
+    queue = QueueDelay("transfers", 0.020, clock)
+    for took in (0.010, 0.004):  # two at once, never one alone: the faster bounds the service time
+        first, second = queue.started(), queue.started()
+        clock.now += took
+        queue.ended(first)
+        queue.ended(second)
+    assert queue.solo_s < 0.008
+    slow = [queue.started(), queue.started()]
+    clock.now += 0.100
+    for ticket in slow:
+        queue.ended(ticket)
+    assert queue.solo_s < 0.008  # contention, not service
+
+
 def test_nothing_is_refused_before_a_measurement_or_with_nothing_ahead() -> None:
     clock = Clock()
     queue = QueueDelay("transfers", 0.001, clock)

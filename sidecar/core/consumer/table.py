@@ -290,7 +290,7 @@ class ConsumerTable:
         for ended in self.on_end:
             ended(pending)
         if pending.queued is not None:
-            self._ctx.tasks.transfers.ended(pending.queued)
+            self._ctx.tasks.transfers.ended(pending.queued, ok=event.kind == engine_pb2.FINISHED_RECEIVING)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
             self._ctx.dataplane.expect_notifications(-1)
