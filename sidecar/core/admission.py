@@ -18,7 +18,8 @@ and a saturated one ``in flight / capacity`` less the service time. A request wi
 is always admitted (progress is never refused); before the first sample there is no estimate.
 
 Only requests whose time in the node is the node's own work count: the consumer's pulls (its
-READs) and the producer's pushes once matched (its WRITEs). A consumer's push waits on the
+READs) and the producer's pushes once matched (its WRITEs); only pulls are refused by it (a push's
+SubmitBlocks comes after its consumer registered: refusing it cost more than it saved). A consumer's push waits on the
 producer's prefill and a producer's pull on the consumer's engine; counting those would make
 waiting look like slowness. A transfer that failed (a peer gone, a deadline) is no evidence of
 what the node moves: it drops the throughput sample it sat in.

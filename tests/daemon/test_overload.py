@@ -75,16 +75,15 @@ def test_overload_is_refused_with_a_reason_stays_bounded_and_recovers(
     delay = f"the bound is {BOUND_MS} ms (admission_max_queue_delay_ms)"
     count = f"the limit is {MAX_PENDING}"
     assert all(delay in reason or count in reason for reason in burst.refusal_reasons), burst.refusal_reasons
-    assert any(delay in reason and "estimated queueing delay" in reason for reason in burst.refusal_reasons)
     assert burst.counts.get("moved", 0) > 0, burst  # and kept moving what it admitted
-    # The wait bounded what each sidecar admitted, not the count: in its own account, the most
-    # transfers it ever drove at once stayed far below max_pending_requests (at this bound, the
-    # node's throughput and service time allow a few), and with them what a request queued behind.
     driver = "d" if mode == "pull" else "p"
-    admitted = {name: seen["admission_peak_in_flight"] for name, seen in peak.items()}
-    assert 0 < max(admitted.values()) <= MAX_PENDING // 2, admitted
     assert peak[driver]["admission_throughput_per_second"] > 0, peak[driver]
     if mode == "pull":
+        # The wait bounded what D admitted, not the count: in its own account, the most READs it
+        # ever drove at once stayed far below max_pending_requests (at this bound, its throughput
+        # and service time allow a few), and with them what a request queued behind.
+        assert any(delay in reason and "estimated queueing delay" in reason for reason in burst.refusal_reasons)
+        assert 0 < peak["d"]["admission_peak_in_flight"] <= MAX_PENDING // 2, peak["d"]
         assert peak["d"]["pending_receives"] <= MAX_PENDING // 2, peak["d"]
     # Bounded: requests held per side never past the limit; memory and fds did not grow with the load.
     for name, seen in peak.items():
