@@ -16,8 +16,11 @@ and reason, failed, lost, corrupt), p50/p99 of the moved requests and their rati
 p99, and each sidecar's peak RSS, fds and pending counters (GetStatus, sampled every 0.25 s).
 
 Run: ``python -m bench.overload [--json bench/out/overload.json] [--seconds 60] [--max-pending 8]
-[--block-kib 1024] [--modes pull push]``; ``make bench-overload``. Kills what it started and removes
-its /dev/shm files on success, failure and Ctrl-C; every wait is bounded.
+[--max-queue-delay-ms 20] [--capacity 150] [--block-kib 1024] [--modes pull push]``; ``make
+bench-overload``. ``--max-queue-delay-ms 0`` is the count bound alone (as before admission by
+queueing delay); ``--capacity`` offers multiples of a fixed rate, so runs compare at equal load.
+Kills what it started and removes its /dev/shm files on success, failure and Ctrl-C; every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ LAYERS = 4
 
 def run_mode(args: argparse.Namespace, workdir: Path, mode: str) -> dict[str, Any]:
     settings = ["--set", f"max_pending_requests={args.max_pending}"]
+    if args.max_queue_delay_ms is not None:
+        settings += ["--set", f"admission_max_queue_delay_ms={args.max_queue_delay_ms}"]
     sidecars = [DaemonProcess(workdir, f"{name}-{mode}", settings) for name in ("p", "d")]
     engines: list[ShimEngine] = []
     try:
@@ -63,7 +68,8 @@ def run_mode(args: argparse.Namespace, workdir: Path, mode: str) -> dict[str, An
             return result
 
         base = phase(lambda: capacity(p, d, mode, args.lanes, args.warm, pool))
-        rate = max(base.moved_per_s, 1.0)
+        # A given capacity makes runs (checkouts, settings) offer the same load.
+        rate = args.capacity or max(base.moved_per_s, 1.0)
         unloaded = phase(lambda: offer(p, d, mode, 0.5 * rate, args.warm, pool, "unloaded"))
         for factor in (2, 10):
             phase(lambda f=factor: offer(p, d, mode, f * rate, args.seconds, pool, f"{f}x"))  # type: ignore[misc]
@@ -105,7 +111,7 @@ def _line(result: PhaseResult) -> str:
         f"offered {result.rate:.0f}/s reached {result.reached_per_s:.0f}/s moved {result.moved_per_s:.0f}/s "
         f"p50 {result.p50_s * 1000:.1f} ms p99 {result.p99_s * 1000:.1f} ms (sidecar p50 "
         f"{result.sidecar_p50_s * 1000:.1f} p99 {result.sidecar_p99_s * 1000:.1f}) {result.counts} "
-        f"engine_full {result.engine_full} {result.refusal_codes}"
+        f"engine_full {result.engine_full} {result.refusal_codes} {result.refusals_by}"
     )
 
 
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="each burst (2x, 10x)")
     parser.add_argument("--warm", type=float, default=10.0, help="capacity, unloaded and recovery phases")
     parser.add_argument("--max-pending", type=int, default=8, help="the sidecars' max_pending_requests")
+    parser.add_argument("--max-queue-delay-ms", type=float, help="the sidecars' admission bound (ms)")
+    parser.add_argument("--capacity", type=float, help="offer multiples of this (requests/s), not of the measured")
     parser.add_argument("--lanes", type=int, default=4, help="requests in flight while measuring capacity")
     parser.add_argument("--slots", type=int, default=32, help="requests the engines have KV blocks for at once")
     parser.add_argument("--blocks", type=int, default=4, help="blocks per request (per layer)")

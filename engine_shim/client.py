@@ -40,6 +40,7 @@ import grpc
 from google.protobuf.message import Message
 
 from engine_shim import messages
+from engine_shim.backoff import RefusalBackoff
 from engine_shim.events import EventWatcher as EventWatcher
 from engine_shim.messages import BlockIdsLike as BlockIdsLike
 from engine_shim.messages import grouped as grouped
@@ -252,6 +253,8 @@ class SidecarClient:
         # Calls running on the RPC threads (close waits for them, bounded).
         self._calls_changed = threading.Condition()
         self._running = 0
+        # After an overloaded sidecar's refusal, the same calls are refused here for a moment.
+        self.backoff = RefusalBackoff()
 
     def close(self) -> None:
         """Cancel queued calls, give running ones up to ``timeout`` to end, then close the channel:
@@ -282,20 +285,35 @@ class SidecarClient:
     def call(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Resp:
         """One call of ``rpc``, waiting for its answer (bounded by ``timeout``); failures raise
         ``grpc.RpcError``. Over the session stream when it is open, else unary."""
-        future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
-        if future is None:
-            return self._unary(rpc, request)
+        backing_off = self.backoff.refused_locally(rpc.method, request)
+        if backing_off is not None:
+            raise SessionCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, backing_off)
         try:
-            response: Resp = future.result(timeout=self.timeout + 1.0)  # the session's sweeper fails it first
-        except concurrent.futures.TimeoutError:
-            raise SessionCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        return response
+            future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
+            if future is None:
+                return self._unary(rpc, request)
+            try:
+                response: Resp = future.result(timeout=self.timeout + 1.0)  # the session's sweeper fails it first
+            except concurrent.futures.TimeoutError:
+                raise SessionCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            return response
+        except grpc.RpcError as exc:
+            self.backoff.observe(rpc.method, request, exc)
+            raise
 
     def start(self, rpc: EngineRpc[..., Req, Resp], request: Req) -> Future[Resp]:
         """``call`` without waiting: over the session stream when it is open, else unary on the RPC
         threads; the future completes with its response or error."""
+        backing_off = self.backoff.refused_locally(rpc.method, request)
+        if backing_off is not None:
+            refused: Future[Resp] = Future()
+            refused.set_exception(SessionCallError(grpc.StatusCode.RESOURCE_EXHAUSTED, backing_off))
+            return refused
         future = self.session.start(rpc.method, request, rpc.response, self.timeout) if rpc.session else None
-        return future if future is not None else self._rpc_threads.submit(self._call, rpc, request)
+        if future is None:
+            future = self._rpc_threads.submit(self._call, rpc, request)
+        future.add_done_callback(lambda done: self.backoff.observe_future(rpc.method, request, done))
+        return future
 
     def open_session(self, timeout: float) -> bool:
         """Open the session stream now and wait (bounded) until it is open; False if it did not

@@ -257,6 +257,11 @@ class Settings(BaseSettings):
     # Limits against hostile or broken clients.
     max_blocks_per_request: int = Field(default=1 << 20, ge=1)
     max_pending_requests: int = Field(default=100_000, ge=1)
+    # Admission by queueing delay (``core.admission``): a request whose estimated wait behind the
+    # transfers this node already drives (in flight / measured throughput) exceeds this is refused
+    # with RESOURCE_EXHAUSTED; a request with nothing ahead is always admitted. 0: the count
+    # (``max_pending_requests``) is the only bound.
+    admission_max_queue_delay_ms: Annotated[float, _duration(1.0, 60_000.0, zero="no bound", unit="ms")] = 20.0
     # Engines registered at once, and workers (TP x PP ranks) per engine; RegisterWorker beyond is
     # RESOURCE_EXHAUSTED. Each worker costs a NIXL agent (threads, sockets) and a memory mapping.
     max_engines: int = Field(default=32, ge=1, le=4096)

@@ -461,7 +461,7 @@ class RequestStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., side: _Optional[str] = ..., mode: _Optional[_Union[_common_pb2.TransferMode, str]] = ..., state: _Optional[str] = ..., deadline_in_seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("sidecar", "uptime_seconds", "engines", "peers", "leases", "transfers_in_flight", "pending_push_registrations", "unmatched_submissions", "pending_receives", "held_requests", "requests", "draining", "held_blocks")
+    __slots__ = ("sidecar", "uptime_seconds", "engines", "peers", "leases", "transfers_in_flight", "pending_push_registrations", "unmatched_submissions", "pending_receives", "held_requests", "requests", "draining", "held_blocks", "admission")
     SIDECAR_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -475,6 +475,7 @@ class GetStatusResponse(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     sidecar: _common_pb2.SidecarInfo
     uptime_seconds: float
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
@@ -488,7 +489,28 @@ class GetStatusResponse(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     draining: bool
     held_blocks: int
-    def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., held_blocks: _Optional[int] = ...) -> None: ...
+    admission: AdmissionStatus
+    def __init__(self, sidecar: _Optional[_Union[_common_pb2.SidecarInfo, _Mapping]] = ..., uptime_seconds: _Optional[float] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., leases: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., pending_push_registrations: _Optional[int] = ..., unmatched_submissions: _Optional[int] = ..., pending_receives: _Optional[int] = ..., held_requests: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., held_blocks: _Optional[int] = ..., admission: _Optional[_Union[AdmissionStatus, _Mapping]] = ...) -> None: ...
+
+class AdmissionStatus(_message.Message):
+    __slots__ = ("in_flight", "peak_in_flight", "throughput_per_second", "solo_ms", "queue_delay_ms", "bound_ms", "admitted", "refused")
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PEAK_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SOLO_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    BOUND_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    peak_in_flight: int
+    throughput_per_second: float
+    solo_ms: float
+    queue_delay_ms: float
+    bound_ms: float
+    admitted: int
+    refused: int
+    def __init__(self, in_flight: _Optional[int] = ..., peak_in_flight: _Optional[int] = ..., throughput_per_second: _Optional[float] = ..., solo_ms: _Optional[float] = ..., queue_delay_ms: _Optional[float] = ..., bound_ms: _Optional[float] = ..., admitted: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class SessionCall(_message.Message):
     __slots__ = ("call_id", "method", "request", "timeout_seconds", "cancel")

@@ -21,6 +21,7 @@ import grpc
 from kvsidecar.v1 import common_pb2
 from sidecar import FEATURES, PROTOCOL_VERSION, __version__
 from sidecar.config import Settings
+from sidecar.core.admission import QueueDelay
 from sidecar.core.events import WorkerEvents
 from sidecar.core.registry import Registry
 from sidecar.core.trace import TraceRecorder
@@ -70,6 +71,9 @@ class Tasks:
         self._settings = settings
         self._tasks: dict[asyncio.Task[Any], tuple[str, ...]] = {}
         self.draining = False
+        # The transfers this node drives (its pulls' READs, its pushes' WRITEs): admission by the
+        # wait a new one would see behind them (``core.admission``).
+        self.transfers = QueueDelay("transfers", settings.admission_max_queue_delay_ms / 1000.0)
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], engines: list[str]) -> asyncio.Task[Any]:
         """Run a request's work in the background, remembering which engines it touches."""
@@ -95,14 +99,17 @@ class Tasks:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout)
 
-    def check_capacity(self, current: int) -> None:
-        """Refuse new work while draining, or past ``max_pending_requests``."""
+    def check_capacity(self, current: int, transfer: bool = False) -> None:
+        """Refuse new work while draining, or past ``max_pending_requests``, or (``transfer``: work
+        this node drives) past ``admission_max_queue_delay_ms`` of estimated queueing delay."""
         if self.draining:
             raise Draining(DRAINING)
         if current >= self._settings.max_pending_requests:
             raise ResourceExhausted(
                 f"{current} requests are pending, the limit is {self._settings.max_pending_requests}"
             )
+        if transfer:
+            self.transfers.check()
 
 
 @dataclass(frozen=True)

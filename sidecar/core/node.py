@@ -310,6 +310,7 @@ class Node:
             held_requests=len(self.holds),
             held_blocks=self.holds.index.held_blocks,
             draining=self.draining,
+            admission=self.tasks.transfers.status(),
         )
         if request.include_requests:
             response.requests.extend(self.producer.status_rows())

@@ -94,6 +94,8 @@ class ProducerSide:
             self.leases.extend(existing.key, time.monotonic() + lease)
             self._hold_vouched(existing, request.vouched_until_ms)
             return self._submitted(engine, lease, existing.writing)
+        # Not by queueing delay: the consumer registered the push already, so a refusal here costs
+        # both sides more than it saves (measured, bench/README.md "Overload"); its WRITEs count.
         ctx.tasks.check_capacity(len(self.requests))
         pending = ProducerRequest(
             engine_id=request.engine_id,

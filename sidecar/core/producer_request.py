@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvsidecar.v1 import common_pb2
+from sidecar.core.admission import Ticket
 from sidecar.core.matching import Registration
 from sidecar.core.notices import NoticeTally
 from sidecar.dataplane.plan.layout import BlockIds
@@ -33,6 +34,8 @@ class ProducerRequest:
     created: float = field(default_factory=time.monotonic)
     notices: NoticeTally = field(default_factory=NoticeTally)
     writing: bool = False
+    # A push's WRITEs, from the match: this node's work, counted in ``ctx.tasks.transfers`` until it ends.
+    queued: Ticket | None = field(default=None, repr=False, compare=False)
     # While writing: the registration's deadline for posting a WRITE (``PushOrder.writes_until``).
     writes_until: float = 0.0
     held: bool = False

@@ -144,8 +144,10 @@ class PushWriter:
         return self.writing_for(consumer_request_id) is not None
 
     def forget(self, pending: ProducerRequest) -> None:
-        """``pending`` ended: it can match no registration any more."""
+        """``pending`` ended: it can match no registration any more (and its WRITEs are done)."""
         self.matcher.remove_submission(pending.engine_id, pending.request_id)
+        if pending.queued is not None:  # ended some other way than its WRITEs' end (which ends it)
+            self._ctx.tasks.transfers.ended(pending.queued, ok=False)
 
     def drop_engine(self, engine_id: str, reason: str) -> None:
         """The producer engine is gone: consumers waiting for its pushes learn it now (not at their
@@ -344,6 +346,8 @@ class PushWriter:
         pending.peer_identity = registration.identity or pending.peer_identity
         pending.writing = True
         pending.writes_until = writes_until
+        if pending.queued is None:
+            pending.queued = self._ctx.tasks.transfers.started()
         trace = self._ctx.trace
         trace.event(
             "push_registration", pending.engine_id, request.request_id, "matched", pending.request_id, done=True
@@ -437,6 +441,8 @@ class PushWriter:
             error = f"internal error: {type(exc).__name__}: {exc}"
         self._pushing.pop(registration.key, None)
         pending.writing = False
+        if pending.queued is not None:
+            ctx.tasks.transfers.ended(pending.queued, ok=not error)
         if error:
             ctx.metrics.failures.labels(reason="push_write").inc()
             log.warning(

@@ -53,6 +53,15 @@ def _bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _admission(admission: engine_pb2.AdmissionStatus) -> str:
+    bound = f"{admission.bound_ms:.0f} ms" if admission.bound_ms else "off"
+    return (
+        f"admission: estimated wait {admission.queue_delay_ms:.1f} ms (bound {bound})  transfers in flight "
+        f"{admission.in_flight} (most {admission.peak_in_flight}) at {admission.throughput_per_second:.0f}/s, "
+        f"{admission.solo_ms:.1f} ms alone  admitted {admission.admitted}  refused {admission.refused}"
+    )
+
+
 def render_tables(response: engine_pb2.GetStatusResponse) -> str:
     sidecar = response.sidecar
     out = [
@@ -64,6 +73,7 @@ def render_tables(response: engine_pb2.GetStatusResponse) -> str:
         f"pending receives {response.pending_receives}  "
         f"push registrations waiting {response.pending_push_registrations}  "
         f"unmatched submissions {response.unmatched_submissions}  held {response.held_requests}",
+        _admission(response.admission),
         "",
     ]
     rows = []

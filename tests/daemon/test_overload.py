@@ -1,7 +1,9 @@
 """A node pair driven past what it can move (issue 35, item 3): admission refuses with
-RESOURCE_EXHAUSTED and the limit it hit (the engine recomputes), never a hang or a queue past the
-bound; the sidecars' pending requests, memory and fds stay bounded; and once the burst ends the
-pair moves every request again. Real daemons, real NIXL on loopback, simulated engines
+RESOURCE_EXHAUSTED and the bound it hit (the engine recomputes), never a hang or a queue past the
+bound; what bounds the transfers a sidecar drives is the wait a new one would see
+(``admission_max_queue_delay_ms``, ``sidecar.core.admission``), well before the count
+(``max_pending_requests``); the sidecars' pending requests, memory and fds stay bounded; and once
+the burst ends the pair moves every request again. Real daemons, real NIXL on loopback, simulated engines
 (``tests/support/traffic.py``), open-loop arrivals (``tests/support/overload.py``).
 
 Latency under load is a benchmark figure (``python -m bench.overload``), not asserted here.
@@ -18,7 +20,9 @@ import pytest
 from tests.support.overload import PhaseResult, Sampler, SlotPool, capacity, offer
 from tests.support.traffic import ShimEngine
 
-MAX_PENDING = 8
+MAX_PENDING = 16
+SLOTS = 32
+BOUND_MS = 10
 BLOCKS = 4  # per request: 4 layers x 4 blocks x 256 KiB = 4 MiB
 CASES = [
     pytest.param("pull", 10.0, 4.0, id="pull-10x"),
@@ -36,13 +40,13 @@ FD_GROWTH = 64
 def test_overload_is_refused_with_a_reason_stays_bounded_and_recovers(
     sidecars, mode: str, factor: float, seconds: float
 ) -> None:
-    args = ["--set", f"max_pending_requests={MAX_PENDING}"]
+    args = ["--set", f"max_pending_requests={MAX_PENDING}", "--set", f"admission_max_queue_delay_ms={BOUND_MS}"]
     p_side, d_side = sidecars("p", args), sidecars("d", args)
-    p = ShimEngine(p_side.socket, "P", layers=4, blocks=4 * MAX_PENDING * BLOCKS, block_len=256 * 1024)
+    p = ShimEngine(p_side.socket, "P", layers=4, blocks=SLOTS * BLOCKS, block_len=256 * 1024)
     try:
-        d = ShimEngine(d_side.socket, "D", layers=4, blocks=4 * MAX_PENDING * BLOCKS, block_len=256 * 1024)
+        d = ShimEngine(d_side.socket, "D", layers=4, blocks=SLOTS * BLOCKS, block_len=256 * 1024)
         try:
-            pool = SlotPool(p, 4 * MAX_PENDING, BLOCKS)
+            pool = SlotPool(p, SLOTS, BLOCKS)
             sampler = Sampler([p_side, d_side]).start()
             try:
                 base = capacity(p, d, mode, 3, 2.0, pool)
@@ -63,11 +67,24 @@ def test_overload_is_refused_with_a_reason_stays_bounded_and_recovers(
     for phase in (base, burst, after):
         assert not phase.counts.get("lost"), phase
         assert not phase.counts.get("corrupt"), phase
-    # Past capacity the sidecars refused work, each refusal RESOURCE_EXHAUSTED naming the limit.
+    # Past capacity the sidecars refused work, each refusal RESOURCE_EXHAUSTED naming the bound:
+    # the estimated queueing delay against admission_max_queue_delay_ms (or, for requests that
+    # wait on the other side rather than load this one, the count).
     assert burst.counts.get("refused", 0) > 0, burst
     assert set(burst.refusal_codes) == {"RESOURCE_EXHAUSTED"}, burst.refusal_reasons
-    assert all(f"the limit is {MAX_PENDING}" in reason for reason in burst.refusal_reasons), burst.refusal_reasons
+    delay = f"the bound is {BOUND_MS} ms (admission_max_queue_delay_ms)"
+    count = f"the limit is {MAX_PENDING}"
+    assert all(delay in reason or count in reason for reason in burst.refusal_reasons), burst.refusal_reasons
     assert burst.counts.get("moved", 0) > 0, burst  # and kept moving what it admitted
+    driver = "d" if mode == "pull" else "p"
+    assert peak[driver]["admission_throughput_per_second"] > 0, peak[driver]
+    if mode == "pull":
+        # The wait bounded what D admitted, not the count: in its own account, the most READs it
+        # ever drove at once stayed far below max_pending_requests (at this bound, its throughput
+        # and service time allow a few), and with them what a request queued behind.
+        assert any(delay in reason and "estimated queueing delay" in reason for reason in burst.refusal_reasons)
+        assert 0 < peak["d"]["admission_peak_in_flight"] <= MAX_PENDING // 2, peak["d"]
+        assert peak["d"]["pending_receives"] <= MAX_PENDING // 2, peak["d"]
     # Bounded: requests held per side never past the limit; memory and fds did not grow with the load.
     for name, seen in peak.items():
         assert seen["pending_receives"] <= MAX_PENDING and seen["leases"] <= MAX_PENDING, (name, seen)

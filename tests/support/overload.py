@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import psutil
 
+from engine_shim.backoff import BACKING_OFF
 from engine_shim.client import engine_channel
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 from sidecar.tools.launcher import DaemonProcess
@@ -56,6 +57,10 @@ class PhaseResult:
     sidecar_p99_s: float = 0.0
     refusal_codes: dict[str, int] = field(default_factory=dict)
     refusal_reasons: list[str] = field(default_factory=list)
+    # Refusals the engine made itself, backing off after a sidecar's (``engine_shim.backoff``).
+    refused_locally: int = 0
+    # Refusals by the call refused and the bound: "D Pull: delay", "P SubmitBlocks: count", ...
+    refusals_by: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, name: str, rate: float, seconds: float, outcomes: list[Outcome], engine_full: int = 0) -> PhaseResult:
@@ -67,13 +72,30 @@ class PhaseResult:
             if outcome.kind == "refused":
                 codes[outcome.code] = codes.get(outcome.code, 0) + 1
                 reasons.add(f"{outcome.code}: {outcome.detail}")
+        local = sum(1 for o in outcomes if o.kind == "refused" and BACKING_OFF in o.detail)
+        by: dict[str, int] = {}
+        for outcome in outcomes:
+            if outcome.kind == "refused":
+                kind = _refusal_kind(outcome.detail)
+                by[kind] = by.get(kind, 0) + 1
         latencies = [o.seconds for o in outcomes if o.kind == "moved"]
         own = [o.sidecar_s for o in outcomes if o.kind == "moved"]
         return cls(
             name, rate, seconds, counts, engine_full, len(outcomes) / seconds, len(latencies) / seconds,
             percentile(latencies, 0.5), percentile(latencies, 0.99), percentile(own, 0.5), percentile(own, 0.99),
-            codes, sorted(reasons)[:8],
+            codes, sorted(reasons)[:8], local, by,
         )  # fmt: skip
+
+
+def _refusal_kind(detail: str) -> str:
+    call = detail.split(":", 1)[0]
+    if BACKING_OFF in detail:
+        return f"{call}: backing off"
+    if "estimated queueing delay" in detail:
+        return f"{call}: delay"
+    if "requests are pending" in detail:
+        return f"{call}: count"
+    return f"{call}: other"
 
 
 def capacity(p: ShimEngine, d: ShimEngine, mode: str, lanes: int, seconds: float, pool: SlotPool) -> PhaseResult:
@@ -162,12 +184,15 @@ class Sample:
     rss: dict[str, int]
     fds: dict[str, int]
     status: dict[str, dict[str, int]]
+    # GetStatus.admission: the transfers the sidecar drives and its estimate of a new one's wait.
+    admission: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Sampler:
     """Every ``interval`` s: each sidecar's RSS, open fds and GetStatus counters."""
 
     FIELDS = ("pending_receives", "leases", "transfers_in_flight", "pending_push_registrations")
+    ADMISSION = ("in_flight", "peak_in_flight", "throughput_per_second", "solo_ms", "queue_delay_ms", "refused")
 
     def __init__(self, sidecars: Sequence[DaemonProcess], interval: float = 0.25) -> None:
         self._sidecars = list(sidecars)
@@ -191,7 +216,7 @@ class Sampler:
                 channel.close()
 
     def sample(self, channels: dict[str, grpc.Channel]) -> Sample:
-        rss, fds, status = {}, {}, {}
+        rss, fds, status, admission = {}, {}, {}, {}
         for sidecar in self._sidecars:
             assert sidecar.process is not None
             try:
@@ -204,9 +229,10 @@ class Sampler:
                 stub = engine_pb2_grpc.EngineServiceStub(channels[sidecar.name])
                 reply = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=2.0)
                 status[sidecar.name] = {name: getattr(reply, name) for name in self.FIELDS}
+                admission[sidecar.name] = {name: getattr(reply.admission, name) for name in self.ADMISSION}
             except grpc.RpcError:
                 status[sidecar.name] = {}
-        return Sample(time.monotonic(), rss, fds, status)
+        return Sample(time.monotonic(), rss, fds, status, admission)
 
     def stop(self) -> None:
         self._stop.set()
@@ -233,4 +259,6 @@ class Sampler:
                 entry["fds"] = max(entry["fds"], sample.fds[name])
                 for key, value in sample.status.get(name, {}).items():
                     entry[key] = max(entry.get(key, 0), value)
+                for key, value in sample.admission.get(name, {}).items():
+                    entry[f"admission_{key}"] = max(entry.get(f"admission_{key}", 0), value)
         return out

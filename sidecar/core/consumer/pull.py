@@ -56,7 +56,7 @@ class PullReader:
         problem = known.block_ids_problem(remote_blocks) if known is not None else None
         if problem:  # else checked against the handshake before reading
             raise InvalidArgument("remote.block_ids", problem)
-        engine = self._table.require_engine(request.engine_id, request.request_id, local, "local_block_ids")
+        engine = self._table.require_engine(request.engine_id, request.request_id, local, "local_block_ids", reads=True)
         pending = self._table.admit(request, common_pb2.TRANSFER_MODE_PULL, local)
         if not self._keep.admitted(pending):
             return engine_pb2.PullResponse(accepted=True)

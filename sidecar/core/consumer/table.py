@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
+from sidecar.core.admission import Ticket
 from sidecar.core.context import NodeContext
 from sidecar.core.notices import NoticeTally
 from sidecar.core.registry import CONSUMER_ROLES, Engine
@@ -87,6 +88,8 @@ class ConsumerRequest(_Keyed):
     # promise in the PushReg answer); None: it promised nothing.
     writes_quiet_at: float | None = None
     held: bool = False  # push given up on GPU memory: its LOAD_FAILED waits (see ``fences.Fence``)
+    # A pull: its READs are this node's work, counted in ``ctx.tasks.transfers`` until it ends.
+    queued: Ticket | None = field(default=None, repr=False, compare=False)
     bytes_moved: int = 0
     digests: peer_pb2.KvDigests | None = None  # integrity: the producer's digests (push)
     missed_heartbeats: int = 0  # consecutive periodic heartbeats for it that its producer did not answer
@@ -170,7 +173,11 @@ class ConsumerTable:
         validation.identifier(transfer_id, "transfer_id", required=False)
         return validation.block_ids(blocks_message, field, self._ctx.settings.max_blocks_per_request)
 
-    def require_engine(self, engine_id: str, request_id: str, blocks: BlockIds, field: str) -> Engine:
+    def require_engine(
+        self, engine_id: str, request_id: str, blocks: BlockIds, field: str, reads: bool = False
+    ) -> Engine:
+        """The engine, if it may take this request now. ``reads``: a pull, whose READs this node
+        drives (admission by queueing delay too, ``core.admission``)."""
         ctx = self._ctx
         engine = ctx.registry.require_engine(engine_id, "engine_id", CONSUMER_ROLES)
         problem = check_block_ids(blocks, engine.num_groups, engine.num_blocks, engine.physical_per_logical)
@@ -181,7 +188,7 @@ class ConsumerTable:
         # Held GPU pushes (see ``fences.Fence``) wait on a producer that went quiet; they do not keep
         # requests to other producers out.
         held = sum(1 for pending in self.requests.values() if pending.held)
-        ctx.tasks.check_capacity(len(self.requests) - held)
+        ctx.tasks.check_capacity(len(self.requests) - held, transfer=reads)
         return engine
 
     def engines_of(self, pending: ConsumerRequest) -> list[str]:
@@ -204,6 +211,8 @@ class ConsumerTable:
             remote=request.remote,
         )
         self.requests[pending.key] = pending
+        if not pending.is_push:
+            pending.queued = self._ctx.tasks.transfers.started()
         self._ctx.trace.event(
             "consumer",
             pending.engine_id,
@@ -280,6 +289,8 @@ class ConsumerTable:
             return
         for ended in self.on_end:
             ended(pending)
+        if pending.queued is not None:
+            self._ctx.tasks.transfers.ended(pending.queued, ok=event.kind == engine_pb2.FINISHED_RECEIVING)
         self.watchdogs.cancel(pending.key)
         if pending.is_push:
             self._ctx.dataplane.expect_notifications(-1)
