@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="each burst (2x, 10x)")
     parser.add_argument("--warm", type=float, default=10.0, help="capacity, unloaded and recovery phases")
     parser.add_argument("--max-pending", type=int, default=8, help="the sidecars' max_pending_requests")
-    parser.add_argument("--max-queue-delay-ms", type=float, help="the sidecars' admission bound (ms)")
+    parser.add_argument(
+        "--max-queue-delay-ms", type=float, default=20.0, help="the sidecars' admission bound (ms; 0: off)"
+    )
     parser.add_argument("--capacity", type=float, help="offer multiples of this (requests/s), not of the measured")
     parser.add_argument("--lanes", type=int, default=4, help="requests in flight while measuring capacity")
     parser.add_argument("--slots", type=int, default=32, help="requests the engines have KV blocks for at once")

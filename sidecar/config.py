@@ -261,7 +261,7 @@ class Settings(BaseSettings):
     # transfers this node already drives (in flight / measured throughput) exceeds this is refused
     # with RESOURCE_EXHAUSTED; a request with nothing ahead is always admitted. 0: the count
     # (``max_pending_requests``) is the only bound.
-    admission_max_queue_delay_ms: Annotated[float, _duration(1.0, 60_000.0, zero="no bound", unit="ms")] = 20.0
+    admission_max_queue_delay_ms: Annotated[float, _duration(1.0, 60_000.0, zero="no bound", unit="ms")] = 0.0
     # Engines registered at once, and workers (TP x PP ranks) per engine; RegisterWorker beyond is
     # RESOURCE_EXHAUSTED. Each worker costs a NIXL agent (threads, sockets) and a memory mapping.
     max_engines: int = Field(default=32, ge=1, le=4096)
