@@ -32,6 +32,7 @@ DURATIONS = {
     "peer_call_timeout_seconds": (0.01, 601),
     "worker_attach_timeout_seconds": (0.01, 3601),
     "shutdown_grace_seconds": (0.001, 3601),
+    "admission_max_queue_delay_ms": (0.5, 60001),
     "nixl.poll_interval_max_ms": (0.001, 101),
     "nixl.probe_interval_seconds": (0.001, 3601),
     "nixl.stall_seconds": (0.01, 90000),
