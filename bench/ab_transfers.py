@@ -28,8 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]
-
+from bench.control_cpu import cpu_by_thread
 from engine_shim.memory import KvLayout
 from sidecar.tools.bench import RawNixl, Scenario, block_sets, scenarios, selected
 from sidecar.tools.launcher import DaemonProcess
@@ -44,17 +43,7 @@ DEFAULT = (
 def cpu_seconds(pids: Sequence[int]) -> list[dict[str, float]]:
     """CPU seconds of each daemon by thread name (``/proc/PID/task/TID/comm``: ``python`` is the
     event loop, ``kvsidecar-nixl`` the NIXL owner thread, ``event_engine`` gRPC's, ...)."""
-    found = []
-    for pid in pids:
-        threads: dict[str, float] = {}
-        for thread in psutil.Process(pid).threads():
-            try:
-                name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
-            except OSError:
-                continue  # the thread ended
-            threads[name] = threads.get(name, 0.0) + thread.user_time + thread.system_time
-        found.append(threads)
-    return found
+    return [cpu_by_thread(pid) for pid in pids]
 
 
 def batch(run: Callable[[], float], count: int) -> list[float]:

@@ -35,7 +35,7 @@ import psutil  # type: ignore[import-untyped]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _threads(pid: int) -> dict[str, float]:
+def cpu_by_thread(pid: int) -> dict[str, float]:
     """CPU seconds by thread name (threads of one name summed); psutil gives each thread's times,
     ``/proc/PID/task/TID/comm`` its name."""
     found: dict[str, float] = {}
@@ -89,11 +89,11 @@ def measure(rate: float, count: int, modes: list[str], settle: float) -> list[di
             bench_module.control_plane(pair, mode, rate, 20)  # warm: connections, prepared lists, polling
             time.sleep(settle)  # past the handshake's warm polling (5 s): the steady state
             woken = {side: _wakeups(pid) for side, pid in {**pids, "engines_and_load": os.getpid()}.items()}
-            before = {side: _threads(pid) for side, pid in pids.items()}
+            before = {side: cpu_by_thread(pid) for side, pid in pids.items()}
             own = _own_cpu()
             row = bench_module.control_plane(pair, mode, rate, count)
             own = _own_cpu() - own
-            after = {side: _threads(pid) for side, pid in pids.items()}
+            after = {side: cpu_by_thread(pid) for side, pid in pids.items()}
             wakeups: dict[str, dict[str, float]] = {}
             for side, pid in {**pids, "engines_and_load": os.getpid()}.items():
                 now = _wakeups(pid)
