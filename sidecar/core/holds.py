@@ -93,9 +93,11 @@ class Holds:
         addresses = ["", *ctx.peers.known_addresses()] if request.known_peers else [request.address]
         started = time.monotonic()
 
+        # A lookup only saves a recompute: a peer that is down or restarting answers UNAVAILABLE at
+        # once (the engine recomputes now) instead of being waited for until the bound.
         async def ask(address: str) -> peer_pb2.PeerQueryCacheResponse:
             async with asyncio.timeout(timeout):
-                return await ctx.peers.query_cache(address, peer_request)
+                return await ctx.peers.query_cache(address, peer_request, wait_for_ready=False)
 
         answers = await asyncio.gather(*(ask(address) for address in addresses), return_exceptions=True)
         entries: list[engine_pb2.CacheEntry] = []

@@ -164,6 +164,23 @@ def test_a_query_across_peers_is_bounded_when_a_peer_is_gone(sidecars, engines) 
     assert time.monotonic() - started < 5.0  # bounded by timeout_seconds, not the peer call timeout
 
 
+def test_a_query_to_a_holder_that_is_down_is_unavailable_not_waited_for(sidecars, engines) -> None:
+    """A lookup only saves a recompute: asking a holder's sidecar that is down (stopped, or
+    restarting) answers UNAVAILABLE at once, so the engine recomputes now, rather than
+    DEADLINE_EXCEEDED after waiting for the peer to come back."""
+    p_side, d_side = sidecars("p"), sidecars("d")
+    prefill = engines(p_side, "P", "both")
+    decode = engines(d_side, "D", "both")
+    assert prefill.command("submit", request_id="t1-p", blocks=[[1]])["ok"]
+    assert start_pull(decode, prefill, "t1", [3], "t1-p", [1])["ok"]
+    assert decode.wait_event("t1", 10)[0]["event"] == "FINISHED_RECEIVING"
+    assert decode.command("hold", request_id="t1", blocks=[[3]], conversation_id="conv")["ok"]
+    assert len(prefill.command("query", address=decode.peer_address, conversation_id="conv")["entries"]) == 1
+    d_side.kill()
+    found = prefill.command("query", address=decode.peer_address, conversation_id="conv", timeout_seconds=3.0)
+    assert not found["ok"] and "UNAVAILABLE" in found["error"] and "no cache answer" not in found["error"], found
+
+
 def test_reading_a_released_hold_fails_explicitly(sidecars, engines) -> None:
     p_side, d_side = sidecars("p"), sidecars("d")
     prefill = engines(p_side, "P", "both")
