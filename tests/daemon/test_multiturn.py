@@ -12,7 +12,7 @@ import numpy as np
 
 from engine_shim.client import SidecarClient
 from tests.support.moves import kv, start_pull
-from tests.support.processes import wait_until
+from tests.support.processes import EngineProcess, SidecarProcess, wait_until
 from tests.support.vllm_engine import free_port
 
 
@@ -146,15 +146,21 @@ def test_p_finds_d_s_hold_by_prefix_hashes_across_known_peers_and_reads_only_the
     assert _metric(body, 'kvsidecar_cache_lookups_total{outcome="no_hold"}') == 1
 
 
-def test_a_query_across_peers_is_bounded_when_a_peer_is_gone(sidecars, engines) -> None:
+def _d_holds_turn_one(sidecars, engines) -> tuple[SidecarProcess, EngineProcess, EngineProcess]:
+    """Turn 1: D's sidecar pulls from P's, so P's sidecar knows D's; D holds the finished turn as
+    conversation "conv". Returns D's sidecar, P's engine and D's engine."""
     p_side, d_side = sidecars("p"), sidecars("d")
     prefill = engines(p_side, "P", "both")
     decode = engines(d_side, "D", "both")
-    # Turn 1: D's sidecar pulls from P's, so P's sidecar knows D's; D holds the finished turn.
     assert prefill.command("submit", request_id="t1-p", blocks=[[1]])["ok"]
     assert start_pull(decode, prefill, "t1", [3], "t1-p", [1])["ok"]
     assert decode.wait_event("t1", 10)[0]["event"] == "FINISHED_RECEIVING"
     assert decode.command("hold", request_id="t1", blocks=[[3]], conversation_id="conv")["ok"]
+    return d_side, prefill, decode
+
+
+def test_a_query_across_peers_is_bounded_when_a_peer_is_gone(sidecars, engines) -> None:
+    d_side, prefill, decode = _d_holds_turn_one(sidecars, engines)
     found = prefill.command("query", conversation_id="conv", known_peers=True, timeout_seconds=5.0)
     assert len(found["entries"]) == 1 and found["unreachable"] == [], found
     d_side.kill()
@@ -168,13 +174,7 @@ def test_a_query_to_a_holder_that_is_down_is_unavailable_not_waited_for(sidecars
     """A lookup only saves a recompute: asking a holder's sidecar that is down (stopped, or
     restarting) answers UNAVAILABLE at once, so the engine recomputes now, rather than
     DEADLINE_EXCEEDED after waiting for the peer to come back."""
-    p_side, d_side = sidecars("p"), sidecars("d")
-    prefill = engines(p_side, "P", "both")
-    decode = engines(d_side, "D", "both")
-    assert prefill.command("submit", request_id="t1-p", blocks=[[1]])["ok"]
-    assert start_pull(decode, prefill, "t1", [3], "t1-p", [1])["ok"]
-    assert decode.wait_event("t1", 10)[0]["event"] == "FINISHED_RECEIVING"
-    assert decode.command("hold", request_id="t1", blocks=[[3]], conversation_id="conv")["ok"]
+    d_side, prefill, decode = _d_holds_turn_one(sidecars, engines)
     assert len(prefill.command("query", address=decode.peer_address, conversation_id="conv")["entries"]) == 1
     d_side.kill()
     found = prefill.command("query", address=decode.peer_address, conversation_id="conv", timeout_seconds=3.0)
