@@ -156,15 +156,7 @@ class DataPlane:
         for worker in job.initiator:
             for pairing in pairings(job.initiator_tp, target.tp_size, worker.layout.tp_rank, is_mla):
                 other = target.worker(pairing.target_rank, worker.layout.pp_rank)
-                payload = self.notice(
-                    target,
-                    job.target_request_id,
-                    job.transfer_id,
-                    job.initiator_tp,
-                    pairing.target_rank,
-                    job.digests,
-                    job.op,
-                )
+                payload = self.notice(job, pairing.target_rank)
                 if converted:
                     local = Side(
                         worker.layout, single_group(job.initiator_blocks, "the local engine"), span.initiator_first
@@ -179,9 +171,7 @@ class DataPlane:
             for worker in job.initiator:
                 if worker.layout.tp_rank == 0:
                     other = target.worker(rank, worker.layout.pp_rank)
-                    payload = self.notice(
-                        target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests, job.op
-                    )
+                    payload = self.notice(job, rank)
                     jobs.append(self._notify_only(worker, other, payload))
         # One transfer (TP 1, the common case) is awaited in place: gather would wrap it in a task
         # that starts a loop iteration later, after whatever else is ready.
@@ -237,23 +227,13 @@ class DataPlane:
                 rows = self._copy_rows(job, worker, here, pairing, span)
                 device = worker.layout.device_id if worker.mem_type == "VRAM" else here.layout.device_id
                 batches.setdefault(device, []).append(rows)
-                payload = self.notice(
-                    target,
-                    job.target_request_id,
-                    job.transfer_id,
-                    job.initiator_tp,
-                    pairing.target_rank,
-                    job.digests,
-                    job.op,
-                )
+                payload = self.notice(job, pairing.target_rank)
                 notices.append((worker, other, payload))
         for rank in unpaired_targets(job.initiator_tp, target.tp_size, target.is_mla):
             for worker in job.initiator:
                 if worker.layout.tp_rank == 0:
                     other = target.worker(rank, worker.layout.pp_rank)
-                    payload = self.notice(
-                        target, job.target_request_id, job.transfer_id, job.initiator_tp, rank, job.digests, job.op
-                    )
+                    payload = self.notice(job, rank)
                     notices.append((worker, other, payload))
         merged = {device: np.concatenate(parts) for device, parts in batches.items()}
         copies = sum(len(rows) for rows in merged.values())
@@ -324,27 +304,19 @@ class DataPlane:
             return []
         return list(await asyncio.gather(*(self._notify_only(w, other, payload) for w, other, payload in notices)))
 
-    def notice(
-        self,
-        target: EngineView,
-        request_id: str,
-        transfer_id: str,
-        initiator_tp: int,
-        target_rank: int,
-        digests: peer_pb2.KvDigests | None,
-        op: str,
-    ) -> bytes:
-        """The notification a target worker gets once a transfer to or from it ended; its ``mode``
-        names the side of the target's sidecar it is for (a READ: the producer; a WRITE: the
-        consumer)."""
+    def notice(self, job: TransferJob, target_rank: int) -> bytes:
+        """The notification target worker ``target_rank`` gets once ``job``'s transfer to or from it
+        ended; its ``mode`` names the side of the target's sidecar it is for (a READ: the producer;
+        a WRITE: the consumer)."""
+        target = job.target
         return peer_pb2.TransferNotice(
-            mode=common_pb2.TRANSFER_MODE_PUSH if op == "WRITE" else common_pb2.TRANSFER_MODE_PULL,
+            mode=common_pb2.TRANSFER_MODE_PUSH if job.op == "WRITE" else common_pb2.TRANSFER_MODE_PULL,
             engine_id=target.engine_id,
-            request_id=request_id,
-            expected=expected_notifications(initiator_tp, target.tp_size, target_rank, target.is_mla),
+            request_id=job.target_request_id,
+            expected=expected_notifications(job.initiator_tp, target.tp_size, target_rank, target.is_mla),
             sender_sidecar_id=self._sidecar_id,
-            transfer_id=transfer_id,
-            digests=digests,
+            transfer_id=job.transfer_id,
+            digests=job.digests,
         ).SerializeToString()
 
     def digest_span(

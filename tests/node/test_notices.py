@@ -7,7 +7,7 @@ from kvsidecar.v1 import common_pb2, peer_pb2
 from sidecar.config import Settings
 from sidecar.core.notices import side_for
 from sidecar.dataplane.plane import DataPlane
-from sidecar.dataplane.views import EngineView
+from sidecar.dataplane.views import EngineView, TransferJob
 from tests.support.fake_transport import FakeFabric
 
 
@@ -23,5 +23,6 @@ def test_the_data_plane_writes_the_transfers_mode_into_its_notice() -> None:
     plane = DataPlane(transport, "sidecar-a")
     target = EngineView("decode-0", "127.0.0.1:1", "sidecar-b", 1, 1, "hash", "gen", ())
     for op, mode in (("READ", common_pb2.TRANSFER_MODE_PULL), ("WRITE", common_pb2.TRANSFER_MODE_PUSH)):
-        notice = peer_pb2.TransferNotice.FromString(plane.notice(target, "req-1", "t-1", 1, 0, None, op))
+        job = TransferJob(op, [], 1, target, ((0,),), ((0,),), "req-1", "t-1", timeout=1.0)
+        notice = peer_pb2.TransferNotice.FromString(plane.notice(job, 0))
         assert notice.mode == mode and notice.request_id == "req-1" and notice.sender_sidecar_id == "sidecar-a"
