@@ -131,7 +131,7 @@ def test_the_ipc_handle_inside_pytorchs_shareable_handle_is_found() -> None:
 
 def test_nixl_loads_with_ucxs_memory_type_cache_off_unless_the_operator_set_it() -> None:
     """With the cache on, GPU memory mapped from a second engine's IPC handle read as host memory
-    to UCX and its registration failed (H100, bench/README.md "The GPU path")."""
+    to UCX and its registration failed (H100, docs/bench-history.md "The GPU path")."""
     probe = (
         "import os; from sidecar.dataplane.transport import load_nixl; load_nixl(); "
         "print(os.environ['UCX_MEMTYPE_CACHE'])"
