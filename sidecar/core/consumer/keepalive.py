@@ -416,8 +416,17 @@ class KeepAlive:
                     log.warning(
                         "producer_lost_before_pull", engine_id=item.engine_id, request_id=item.request_id, reason=reason
                     )
+                    self._tell_given_up(item, reason, label)
             elif item.judged_by_heartbeats and key in self._table.requests:
                 if item.is_push and item.registered and label == "peer_unreachable":
                     self._fences.fail_fenced(item, reason, label)  # it may be hung, not dead, and write later
                 else:
                     self._table.fail(item, reason, reason_label=label)
+                    self._tell_given_up(item, reason, label)
+
+    def _tell_given_up(self, item: Waiting, reason: str, label: str) -> None:
+        """A pull (or its keep-alive) given up on the producer's "unknown" will not READ: say so.
+        "Unknown" is also a producer whose engine released the request while we might still READ
+        it; it holds the blocks until the READ's bound (``core.producer``, ``closing``) unless told."""
+        if label == "producer_lost" and item.reads_remote:
+            self._ctx.tasks.spawn(self._table.tell_producer(item, consumed=False, reason=reason), engines=[])

@@ -100,7 +100,10 @@ class PullReader:
             table.fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
             return
         except ProducerLost as exc:
-            table.fail(pending, str(exc), reason_label="producer_lost")
+            if table.is_open(pending):  # else whoever ended it told the producer
+                table.fail(pending, str(exc), reason_label="producer_lost")
+                # Its "unknown" may be a release there that waits for this READ (its bound) unless told.
+                await table.tell_producer(pending, consumed=False, reason=str(exc))
             return
         except ForeignBlocks as exc:
             # The producer's request is left alone: these were not its blocks to give.
