@@ -130,6 +130,10 @@ class SessionSocket:
                 await writer.drain()
         except (OSError, TimeoutError) as exc:  # the client went
             log.info("session_socket_closed", error=str(exc) or type(exc).__name__)
+        except asyncio.CancelledError:  # the client went (``_frames``), or the sidecar stops
+            # Ends normally: asyncio's server reads this task's exception and logs a cancelled one.
+            connection.uncancel()
+            log.info("session_socket_closed", error="cut: the client went or the sidecar stops")
         finally:
             self._connections.discard(connection)
             writer.close()
