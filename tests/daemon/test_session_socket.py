@@ -8,11 +8,13 @@ processes of other users."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +280,34 @@ def test_a_client_gone_from_the_socket_has_its_calls_cancelled_and_its_worker_dr
             wait_until(lambda: not client.status().engines, 10, what="the worker to be dropped")
     assert _logged(d_side, "worker_removed", reason="event stream closed")
     assert not [e for e in d_side.log_events() if e.get("level") == "error"]
+
+
+def test_a_client_the_socket_refuses_takes_the_grpc_stream(sidecars) -> None:
+    side = sidecars("s")
+    path = session_socket_for(side.socket)
+    # A stand-in on the socket's path that refuses every caller as a sidecar refuses a uid it does
+    # not allow (the shim cannot run here as another uid: its venv is not theirs to read).
+    path.unlink()
+    refusal = frame(engine_pb2.SessionAnswers(end=engine_pb2.SessionEnd(code=7, message="uid 1 may not use this")))
+    accepted: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen()
+
+        def refuse() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = listener.accept()
+                    accepted.append(1)
+                    with conn:
+                        conn.sendall(refusal)
+
+        threading.Thread(target=refuse, daemon=True).start()
+        with SidecarClient(side.socket, timeout=10) as client:
+            assert client.open_session(10)
+            assert client.session.transport == "grpc"
+            assert client.status_async().result(10).sidecar.sidecar_id == side.sidecar_id
+        with SidecarClient(side.socket, timeout=10) as client:
+            assert client.open_session(10) and client.session.transport == "grpc"
+        listener.shutdown(socket.SHUT_RDWR)
+    assert len(accepted) == 2  # each client asked once
