@@ -138,6 +138,7 @@ class SocketTransport:
         self._lock = threading.Lock()  # one frame at a time; the socket's life
         self._closing = False
         self._buffer = bytearray()
+        self._chunk = memoryview(bytearray(_RECV_BYTES))  # recv_into: no allocation per read
 
     def open(self, timeout: float) -> Iterator[engine_pb2.SessionAnswers]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -182,16 +183,16 @@ class SocketTransport:
                     del buffer[: HEADER.size + size]
                     return message
             try:
-                chunk = sock.recv(_RECV_BYTES)
+                got = sock.recv_into(self._chunk)
             except TimeoutError:
                 raise SessionCallError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "the sidecar did not answer in time"
                 ) from None
             except OSError as exc:
                 raise SessionCallError(grpc.StatusCode.UNAVAILABLE, f"the session socket failed: {exc}") from None
-            if not chunk:
+            if not got:
                 raise SessionCallError(grpc.StatusCode.UNAVAILABLE, "the sidecar closed the session socket")
-            buffer += chunk
+            buffer += self._chunk[:got]
 
     def send(self, call: engine_pb2.SessionCall) -> None:
         data = frame(engine_pb2.SessionCalls(calls=[call]))
