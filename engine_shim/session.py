@@ -47,7 +47,7 @@ import grpc
 from google.protobuf.message import Message
 
 from engine_shim.session_transport import CODES as _CODES
-from engine_shim.session_transport import GrpcTransport, SocketTransport, Transport
+from engine_shim.session_transport import GrpcTransport, SessionEnded, SocketTransport, Transport
 from engine_shim.session_transport import SessionCallError as SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN
 from kvsidecar.v1 import engine_pb2
@@ -278,6 +278,8 @@ class EngineSession:
                         self._answered(stream, answer)
         except StopIteration:
             details = "the sidecar ended the engine session stream before opening it"
+        except SessionEnded as exc:  # the sidecar's end frame on the socket: its status
+            code, details = exc.code(), f"the sidecar ended the engine session stream: {exc.details()}"
         except grpc.RpcError as exc:
             code, details = exc.code(), f"the engine session stream broke: {exc.details()}"
         except Exception as exc:  # a bug here must not leave calls waiting: they fail with it
@@ -295,7 +297,7 @@ class EngineSession:
             stream.use(transport)
             try:
                 return transport.open(self._open_timeout)
-            except SessionCallError as exc:  # the sidecar answered: not for this client (or not now)
+            except SessionEnded as exc:  # the sidecar refused: not this client (or not now: draining)
                 transport.end()
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     self._socket_retry_at = time.monotonic() + _UNSUPPORTED_RECHECK_S

@@ -56,6 +56,10 @@ class SessionCallError(grpc.RpcError):
         return self._details
 
 
+class SessionEnded(SessionCallError):
+    """The sidecar ended the session on the socket with this status (its end frame)."""
+
+
 class Transport(Protocol):
     name: str
 
@@ -225,5 +229,5 @@ class SocketTransport:
             sock.close()
 
 
-def _ended(end: engine_pb2.SessionEnd) -> SessionCallError:
-    return SessionCallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
+def _ended(end: engine_pb2.SessionEnd) -> SessionEnded:
+    return SessionEnded(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message)
