@@ -149,6 +149,11 @@ class SessionSocket:
                     await writer.drain()
         except _Ended as ended:
             return ended.code, ended.message
+        except OSError:
+            raise  # the client went: nobody to tell
+        except Exception as exc:  # a bug: the client is told, the daemon serves on
+            log.exception("session_failed", error=repr(exc))
+            return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
         if self._dispatcher.draining:
             return grpc.StatusCode.UNAVAILABLE, "the sidecar is draining for shutdown"
         return grpc.StatusCode.OK, ""
