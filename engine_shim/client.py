@@ -9,7 +9,8 @@ tests. It imports nothing of the daemon: only the generated ``kvsidecar.v1`` stu
   (``submit_blocks_async``, a ``concurrent.futures.Future``), so vLLM's scheduler never waits on
   the network. Every call goes through ``SidecarClient.call`` / ``start``.
 - Request calls ride the engine session stream (``engine_shim.session``: one stream per client,
-  calls batched) when it is open, else they are unary. Non-blocking unary calls run as blocking
+  on the plain Unix socket next to the engine socket when the sidecar has it, else the Session
+  RPC) when it is open, else they are unary. Non-blocking unary calls run as blocking
   calls on a few long-lived RPC threads: grpc's own futures start a fresh "channel spin" thread
   whenever the channel was idle, and ``Thread.start()`` waits until that thread runs, which
   stalled vLLM's scheduler thread for 30-400 ms on a busy 2-core machine.
@@ -47,6 +48,7 @@ from engine_shim.messages import grouped as grouped
 from engine_shim.messages import remote as remote
 from engine_shim.session import EngineSession, SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN, TOKEN_KEY, auth_socket_for, request_token
+from kvsidecar.session_socket import session_socket_for
 from kvsidecar.v1 import engine_pb2, engine_pb2_grpc
 
 Future = concurrent.futures.Future
@@ -247,8 +249,10 @@ class SidecarClient:
         self.target = target or f"unix:{os.fspath(socket_path or '')}"
         self._channel, token = _token_channel(self.target, auth_socket, _CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        # Request calls ride one stream when it is open (``engine_shim.session``), else unary.
-        self.session = EngineSession(self.stub.Session, token.renew, open_timeout=timeout)
+        # Request calls ride one stream when it is open (``engine_shim.session``), else unary; on
+        # the engine socket, the plain session socket next to it when the sidecar has one.
+        session_socket = session_socket_for(socket_path) if target is None and socket_path is not None else None
+        self.session = EngineSession(self.stub.Session, token.renew, open_timeout=timeout, socket_path=session_socket)
         self._rpc_threads = concurrent.futures.ThreadPoolExecutor(_RPC_THREADS, thread_name_prefix="kvsidecar-rpc")
         # Calls running on the RPC threads (close waits for them, bounded).
         self._calls_changed = threading.Condition()

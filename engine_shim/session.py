@@ -1,6 +1,10 @@
-"""The engine session stream, client side: one long-lived ``EngineService.Session`` stream per
-``SidecarClient`` that carries its unary calls and their answers, several per message when several
-are ready (the sidecar runs each through the handler of its unary RPC).
+"""The engine session stream, client side: one long-lived session per ``SidecarClient`` that
+carries its unary calls and their answers (the sidecar runs each through the handler of its unary
+RPC). It rides one of two transports (``engine_shim.session_transport``), picked each time a
+stream opens: the plain Unix socket next to the engine socket (``<socket>.session``) when the
+client talks to the engine socket and the socket is there, else the ``EngineService.Session`` RPC
+(a loopback TCP client; a sidecar without the socket, or one that refused it: that is asked again
+only after ``_UNSUPPORTED_RECHECK_S``). Everything below holds on both.
 
 - ``EngineSession.start`` returns a Future of a call's response over the open stream, or None when
   no stream is open: the caller then makes the unary call, which is always correct. The first
@@ -20,11 +24,11 @@ are ready (the sidecar runs each through the handler of its unary RPC).
   ``_MAX_BACKOFF_S``); calls go unary meanwhile. A refusal for a stale session token (the sidecar
   restarted) renews the token first.
 
-Threads: callers (any thread) put calls on the stream's outbox; gRPC's request thread takes them
-off in batches (``_Stream.requests``); the stream's reader thread ``kvsidecar-session`` opens the
-stream, completes Futures with its answers and runs the watches' callbacks with their events;
-the sweeper thread ``kvsidecar-session-deadlines`` fails calls past their deadline. One lock
-guards the stream state and the calls in flight.
+Threads: callers (any thread) send their calls: on the socket each writes its frame itself; on
+gRPC they put them on an outbox that gRPC's request thread sends in batches. The stream's reader
+thread ``kvsidecar-session`` opens the stream, completes Futures with its answers and runs the
+watches' callbacks with their events; the sweeper thread ``kvsidecar-session-deadlines`` fails
+calls past their deadline. One lock guards the stream state and the calls in flight.
 """
 
 from __future__ import annotations
@@ -33,15 +37,18 @@ import concurrent.futures
 import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
+from engine_shim.session_transport import CODES as _CODES
+from engine_shim.session_transport import GrpcTransport, SessionEnded, SocketTransport, Transport
+from engine_shim.session_transport import SessionCallError as SessionCallError
 from kvsidecar.engine_auth import NO_TOKEN
 from kvsidecar.v1 import engine_pb2
 
@@ -50,23 +57,6 @@ log = logging.getLogger("kvsidecar.engine_shim")
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 _UNSUPPORTED_RECHECK_S = 60.0
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class SessionCallError(grpc.RpcError):
-    """A call on the session stream failed: the status the unary call would have failed with, or
-    the broken stream's."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class _Pending:
@@ -100,33 +90,38 @@ class WatchHandle:
 
 
 class _Stream:
-    """One Session call: the calls waiting to be sent, those waiting for their answers, its watches."""
+    """One session: its transport, the calls waiting for their answers, its watches."""
 
     def __init__(self) -> None:
-        self.outbox: queue.SimpleQueue[engine_pb2.SessionCall | None] = queue.SimpleQueue()
         self.pending: dict[int, _Pending] = {}
         self.watches: dict[int, _Watch] = {}
-        self.call: Any = None
+        self.transport: Transport | None = None  # set by the reader thread as it opens
+        self.half_closed = False
         self.opened = False
         self.settled = threading.Event()  # it opened, or it ended
+        self._lock = threading.Lock()
 
-    def requests(self) -> Iterator[engine_pb2.SessionCalls]:
-        """What gRPC sends: every call ready at once in one message; None half-closes."""
-        while True:
-            first = self.outbox.get()
-            if first is None:
-                return
-            calls = [first]
-            while True:
-                try:
-                    item = self.outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    yield engine_pb2.SessionCalls(calls=calls)
-                    return
-                calls.append(item)
-            yield engine_pb2.SessionCalls(calls=calls)
+    def use(self, transport: Transport) -> None:
+        with self._lock:
+            self.transport = transport
+            if self.half_closed:
+                transport.half_close()
+
+    def send(self, call: engine_pb2.SessionCall) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.send(call)
+
+    def half_close(self) -> None:
+        with self._lock:
+            self.half_closed = True
+            if self.transport is not None:
+                self.transport.half_close()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.transport is not None:
+                self.transport.cancel()
 
 
 class EngineSession:
@@ -137,8 +132,12 @@ class EngineSession:
         open_stream: Callable[[Iterator[engine_pb2.SessionCalls]], Any],
         renew_token: Callable[[], None],
         open_timeout: float,
+        socket_path: Path | None = None,
     ) -> None:
+        """``socket_path``: the sidecar's plain session socket, tried first when it exists."""
         self._open_stream = open_stream
+        self._socket_path = socket_path
+        self._socket_retry_at = 0.0  # the sidecar refused the socket: the gRPC stream until then
         self._renew_token = renew_token
         self._open_timeout = open_timeout
         self._lock = threading.Lock()
@@ -153,6 +152,7 @@ class EngineSession:
         self._deadlines: list[tuple[float, int, _Stream]] = []
         self._sweeper: threading.Thread | None = None
         self.opened = threading.Event()  # set while a stream is open
+        self.transport = ""  # the open stream's transport: "socket", "grpc", or "" (none open)
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class EngineSession:
             heapq.heappush(self._deadlines, (deadline, call_id, stream))
             if self._deadlines[0][1] == call_id:
                 self._deadline_changed.notify()
-        stream.outbox.put(
+        stream.send(
             engine_pb2.SessionCall(
                 call_id=call_id, method=method, request=request.SerializeToString(), timeout_seconds=timeout
             )
@@ -191,9 +191,7 @@ class EngineSession:
                 return None
             call_id = next(self._ids)
             stream.watches[call_id] = _Watch(on_events, on_end)
-        stream.outbox.put(
-            engine_pb2.SessionCall(call_id=call_id, method="WatchEvents", request=request.SerializeToString())
-        )
+        stream.send(engine_pb2.SessionCall(call_id=call_id, method="WatchEvents", request=request.SerializeToString()))
         return WatchHandle(stream, call_id)
 
     def cancel_watch(self, handle: WatchHandle) -> None:
@@ -203,7 +201,7 @@ class EngineSession:
             watch = handle.stream.watches.pop(handle.call_id, None)
         if watch is None:
             return
-        handle.stream.outbox.put(engine_pb2.SessionCall(call_id=handle.call_id, cancel=True))
+        handle.stream.send(engine_pb2.SessionCall(call_id=handle.call_id, cancel=True))
         watch.on_end(grpc.StatusCode.CANCELLED, "cancelled by the client")
 
     def wait_open(self, timeout: float) -> bool:
@@ -229,15 +227,14 @@ class EngineSession:
             readers = list(self._readers)
             self._deadline_changed.notify_all()
         for stream in streams:
-            stream.outbox.put(None)
+            stream.half_close()
         # A Future's done callback may close the client: never join the thread running it.
         readers = [reader for reader in readers if reader is not threading.current_thread()]
         deadline = time.monotonic() + timeout
         for reader in readers:
             reader.join(max(0.0, deadline - time.monotonic()))
         for stream in streams:
-            if stream.call is not None:
-                stream.call.cancel()
+            stream.cancel()
         for reader in readers:
             reader.join(1.0)
         if self._sweeper is not None and self._sweeper is not threading.current_thread():
@@ -259,27 +256,21 @@ class EngineSession:
     def _run(self, stream: _Stream) -> None:
         """Open the stream, then complete calls with its answers until it ends."""
         code, details = grpc.StatusCode.UNAVAILABLE, "the sidecar ended the engine session stream"
-        timer: threading.Timer | None = None
         try:
-            stream.call = self._open_stream(stream.requests())
-            # The sidecar's first message says the stream is open; bounded like a call.
-            timer = threading.Timer(self._open_timeout, stream.call.cancel)
-            timer.daemon = True
-            timer.start()
-            next(stream.call)
-            timer.cancel()
+            messages = self._connect(stream)
             with self._lock:
                 self._opening = None
                 if self._closed:
-                    stream.outbox.put(None)
+                    stream.half_close()
                 else:
                     self._stream = stream
                     stream.opened = True
                     self._backoff = _MIN_BACKOFF_S
+                    self.transport = stream.transport.name if stream.transport is not None else ""
                     self.opened.set()
             stream.settled.set()
-            log.debug("engine session stream open")
-            for answers in stream.call:
+            log.debug("engine session stream open (%s)", self.transport)
+            for answers in messages:
                 if answers.events or stream.watches:
                     self._delivered(stream, answers)
                 else:
@@ -287,15 +278,37 @@ class EngineSession:
                         self._answered(stream, answer)
         except StopIteration:
             details = "the sidecar ended the engine session stream before opening it"
+        except SessionEnded as exc:  # the sidecar's end frame on the socket: its status
+            code, details = exc.code(), f"the sidecar ended the engine session stream: {exc.details()}"
         except grpc.RpcError as exc:
             code, details = exc.code(), f"the engine session stream broke: {exc.details()}"
         except Exception as exc:  # a bug here must not leave calls waiting: they fail with it
             code, details = grpc.StatusCode.INTERNAL, f"the engine session stream failed: {exc!r}"
             log.exception("engine session stream failed")
         finally:
-            if timer is not None:
-                timer.cancel()
             self._ended(stream, code, details)
+
+    def _connect(self, stream: _Stream) -> Iterator[engine_pb2.SessionAnswers]:
+        """Open ``stream``: on the plain socket if the sidecar has it and did not refuse it, else
+        on the Session RPC; the sidecar's messages after its first."""
+        path = self._socket_path
+        if path is not None and time.monotonic() >= self._socket_retry_at and path.exists():
+            transport = SocketTransport(path, send_timeout=self._open_timeout)
+            stream.use(transport)
+            try:
+                return transport.open(self._open_timeout)
+            except SessionEnded as exc:  # the sidecar refused: not this client (or not now: draining)
+                transport.end()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    self._socket_retry_at = time.monotonic() + _UNSUPPORTED_RECHECK_S
+                log.info("the sidecar refused the engine session socket (%s: %s): the gRPC stream",
+                         exc.code().name, exc.details())  # fmt: skip
+            except OSError as exc:  # nobody there (yet): the gRPC stream says why, if it fails too
+                transport.end()
+                log.debug("no engine session socket at %s (%s): the gRPC stream", path, exc)
+        grpc_transport = GrpcTransport(self._open_stream)
+        stream.use(grpc_transport)
+        return grpc_transport.open(self._open_timeout)
 
     def _answered(self, stream: _Stream, answer: engine_pb2.SessionAnswer) -> None:
         with self._lock:
@@ -334,6 +347,7 @@ class EngineSession:
         with self._lock:
             if self._stream is stream:
                 self._stream = None
+                self.transport = ""
                 self.opened.clear()
             if self._opening is stream:
                 self._opening = None
@@ -350,7 +364,8 @@ class EngineSession:
                 self._backoff = min(self._backoff * 2, _MAX_BACKOFF_S)
             closed = self._closed
         stream.settled.set()
-        stream.outbox.put(None)  # ends gRPC's request thread
+        if stream.transport is not None:
+            stream.transport.end()  # ends gRPC's request thread, or closes the socket
         if code == grpc.StatusCode.UNIMPLEMENTED and not stream.opened:
             log.info("the sidecar has no engine session stream (an older one): unary calls")
         elif not closed:

@@ -39,7 +39,8 @@ BASELINE_FEATURES: tuple[str, ...] = (
 # Announced since: the feature list itself, the engine Session stream, the peer Stream, node-local
 # GPU device copies (WorkerDescriptor.node_local_exports), target-side host staging (Stage), the
 # self-test host (SelfTestService), push staging into a GPU consumer (StagingPool.accepts_push,
-# Stage with inbound), a worker's events on the engine Session stream (SessionAnswers.events).
+# Stage with inbound), a worker's events on the engine Session stream (SessionAnswers.events), the
+# engine session on a plain Unix socket next to the engine socket (<engine_socket>.session).
 FEATURES: tuple[str, ...] = (
     *BASELINE_FEATURES,
     "features",
@@ -50,6 +51,7 @@ FEATURES: tuple[str, ...] = (
     "selftest",
     "push_staging",
     "session_events",
+    "session_socket",
 )
 
 

@@ -98,6 +98,18 @@ def sidecars(workdir: Path) -> Iterator[Callable[..., SidecarProcess]]:
         process.kill()
 
 
+@pytest.fixture(params=["socket", "grpc"])
+def session_transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport a ``SidecarClient``'s engine session takes in the test: the plain Unix
+    socket next to the engine socket, or the gRPC Session stream (the client then looks for the
+    socket where there is none, as with a sidecar without it)."""
+    if request.param == "grpc":
+        import engine_shim.client
+
+        monkeypatch.setattr(engine_shim.client, "session_socket_for", lambda path: Path(f"{path}.absent"))
+    return str(request.param)
+
+
 @pytest.fixture
 def engines(workdir: Path) -> Iterator[Callable[..., EngineProcess]]:
     started: list[EngineProcess] = []

@@ -553,9 +553,19 @@ class SessionEvents(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class SessionAnswers(_message.Message):
-    __slots__ = ("answers", "events")
+    __slots__ = ("answers", "events", "end")
     ANSWERS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     answers: _containers.RepeatedCompositeFieldContainer[SessionAnswer]
     events: _containers.RepeatedCompositeFieldContainer[SessionEvents]
-    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[SessionEvents, _Mapping]]] = ...) -> None: ...
+    end: SessionEnd
+    def __init__(self, answers: _Optional[_Iterable[_Union[SessionAnswer, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[SessionEvents, _Mapping]]] = ..., end: _Optional[_Union[SessionEnd, _Mapping]] = ...) -> None: ...
+
+class SessionEnd(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -213,7 +213,11 @@ class EngineServiceServicer:
         A worker's events ride it too: a WatchEvents call on the stream subscribes to them, and they
         come in SessionAnswers.events, several per message when several are ready (a sidecar that
         announces the "session_events" feature; an older one answers that call UNIMPLEMENTED: use the
-        WatchEvents RPC).
+        WatchEvents RPC). A sidecar that announces "session_socket" also carries the same session on
+        a plain Unix socket, <engine_socket>.session, without gRPC: each frame is a 4-byte big-endian
+        length and a serialized SessionCalls (client) or SessionAnswers (sidecar), at most the
+        server's max message size; the caller is checked by SO_PEERCRED (no token), and the last
+        frame's SessionAnswers.end says how the session ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

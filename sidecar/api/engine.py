@@ -40,6 +40,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self, CallInterceptor(node.metrics), lambda: node.tasks.draining, watch=self._watch_on_session
         )
 
+    @property
+    def session(self) -> SessionDispatcher:
+        """The session's dispatcher (the plain-socket session, ``api.session_socket``, serves it too)."""
+        return self._session
+
     def _may_act(self, engine_id: str, method: str) -> int | None:
         """The caller's uid if it may act only on its own engines (None: on any); refuses a call
         naming another uid's engine."""

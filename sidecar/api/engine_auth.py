@@ -8,6 +8,8 @@ without a valid token (the protocol is ``kvsidecar.engine_auth``).
 - ``CredentialSocket``: an asyncio Unix server on ``<engine_socket>.auth``; per connection it
   reads ``SO_PEERCRED`` (uid, gid, pid at connect time, from the kernel), answers a token or the
   reason for refusing, and closes. A refusal is logged (``engine_peer_refused`` with uid, gid, pid).
+- The engine session's plain socket (``api.session_socket``) checks its callers the same way
+  (``peer_caller``, ``CallerPolicy.refusal``), once per connection, instead of by token.
 - ``TokenInterceptor``: on the engine server (Unix socket and loopback TCP), every call except
   health and reflection needs a valid token in metadata ``kvsidecar-token``; others are refused
   ``PERMISSION_DENIED`` (through ``CallInterceptor``, which logs and counts them) with an
@@ -132,6 +134,22 @@ class CallerPolicy:
         gids = f", gids {sorted(self.gids)}" if self.gids else ""
         return f"uids {sorted(self.uids)}{gids}"
 
+    def refusal(self, caller: Caller, **log_fields: Any) -> str:
+        """Why ``caller`` may not use this sidecar ("" if it may); a refusal is logged
+        (``engine_peer_refused``)."""
+        if self.allows(caller):
+            return ""
+        log.warning("engine_peer_refused", uid=caller.uid, gid=caller.gid, pid=caller.pid, **log_fields,
+                    hint="list the uid or gid in engine_allowed_uids / engine_allowed_gids")  # fmt: skip
+        return f"uid {caller.uid} (gid {caller.gid}) may not use this sidecar; allowed: {self.describe()}"
+
+
+def peer_caller(sock: socket.socket) -> Caller:
+    """Who is at the other end of an accepted Unix-socket connection (``SO_PEERCRED``: the
+    kernel's uid, gid and pid at connect time)."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return Caller(uid, gid, pid)
+
 
 class CredentialSocket:
     """The plain Unix socket next to the engine socket that answers tokens (see module doc)."""
@@ -166,15 +184,11 @@ class CredentialSocket:
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            sock = writer.get_extra_info("socket")
-            pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            caller = Caller(uid, gid, pid)
-            if self._policy.allows(caller):
+            caller = peer_caller(writer.get_extra_info("socket"))
+            why = self._policy.refusal(caller)
+            if not why:
                 writer.write(encode_reply(token=self._tokens.issue(caller), sidecar_id=self._sidecar_id))
             else:
-                why = f"uid {uid} (gid {gid}) may not use this sidecar; allowed: {self._policy.describe()}"
-                log.warning("engine_peer_refused", uid=uid, gid=gid, pid=pid,
-                            hint="list the uid or gid in engine_allowed_uids / engine_allowed_gids")  # fmt: skip
                 writer.write(encode_reply(error=why))
             async with asyncio.timeout(5.0):
                 await writer.drain()

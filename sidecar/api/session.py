@@ -26,6 +26,10 @@ a WatchEvents stream whose client went), or when the sidecar drains for shutdown
 (``SessionDispatcher`` notices within ``_DRAIN_POLL_S``; a stream that watches a worker stays
 until the node closes the worker's events at its stop, as a WatchEvents stream does).
 
+The dispatcher does not depend on gRPC's transport: ``serve`` takes any async iterator of
+``SessionCalls`` and a context whose ``abort`` raises (gRPC's ServicerContext for the Session RPC;
+``api.session_socket``'s for the same session on the plain Unix socket next to the engine socket).
+
 Runs on the event loop thread.
 """
 
@@ -34,8 +38,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import Any, NoReturn
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -62,6 +66,12 @@ _WATCH = "WatchEvents"
 WatchStarter = Callable[[engine_pb2.WatchEventsRequest, Any], Awaitable[Subscription]]
 
 
+class SessionContext(Protocol):
+    """What ``serve`` needs of its transport: ``abort`` ends the session with a status (raises)."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = ..., trailing_metadata: Any = ...) -> NoReturn: ...
+
+
 def _size(item: Any) -> int:
     return len(item.response) + len(item.message) if isinstance(item, engine_pb2.SessionAnswer) else 0
 
@@ -81,7 +91,7 @@ class _CallContext:
 
     __slots__ = ("stream",)
 
-    def __init__(self, stream: grpc.aio.ServicerContext) -> None:
+    def __init__(self, stream: SessionContext) -> None:
         self.stream = stream
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
@@ -130,9 +140,16 @@ class SessionDispatcher:
         self._open: set[_Stream] = set()
         self._drain_watch: asyncio.Task[None] | None = None
 
+    @property
+    def draining(self) -> bool:
+        return self._draining()
+
     async def serve(
-        self, calls: AsyncIterator[engine_pb2.SessionCalls], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.SessionAnswers]:
+        self, calls: AsyncIterator[Any], context: SessionContext
+    ) -> AsyncGenerator[engine_pb2.SessionAnswers, None]:
+        """The session's messages, the first empty (it is open); ``calls`` yields ``SessionCalls``,
+        or an object with an ``error`` (an undecodable message: the session ends
+        INVALID_ARGUMENT). How it ends other than by returning: ``context.abort``."""
         if self._draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the sidecar is draining for shutdown")
         stream = _Stream(_CallContext(context))
@@ -160,12 +177,14 @@ class SessionDispatcher:
                 watch.subscription.close()  # as a WatchEvents stream whose client went
             stream.watches.clear()
 
-    async def _read(self, calls: AsyncIterator[engine_pb2.SessionCalls], stream: _Stream) -> None:
+    async def _read(self, calls: AsyncIterator[Any], stream: _Stream) -> None:
         """Start each call as it arrives; once the client half-closed, wait for those in flight."""
         try:
             async for batch in calls:
-                if not isinstance(batch, engine_pb2.SessionCalls):  # CallInterceptor's undecodable
-                    stream.error = f"SessionCalls: not a valid protobuf message: {getattr(batch, 'error', '')}"
+                if not isinstance(batch, engine_pb2.SessionCalls):  # undecodable (CallInterceptor's, or a frame)
+                    stream.error = getattr(batch, "reason", "") or (
+                        f"SessionCalls: not a valid protobuf message: {getattr(batch, 'error', '')}"
+                    )
                     log.info("session_refused", error=stream.error)
                     return
                 for call in batch.calls:

@@ -5,6 +5,8 @@ Two servers, so neither port exposes the other's API:
   ``engine_socket_mode``, 0600 by default; its directory 0700 when created here) and optionally on
   a loopback TCP port; every call there but health and reflection needs a session token from the
   credential socket next to it (``sidecar.api.engine_auth``: the caller's ``SO_PEERCRED``);
+  the engine session also on a plain Unix socket next to it (``sidecar.api.session_socket``,
+  ``<engine_socket>.session``, same mode, callers checked by ``SO_PEERCRED``);
 - PeerService alone on TCP (mTLS when configured).
 Both serve ``grpc.health.v1.Health`` and server reflection, so ``grpcurl`` works out of the box.
 
@@ -38,6 +40,7 @@ from sidecar.api.engine import EngineServicer
 from sidecar.api.engine_auth import PEER_SERVICE, CredentialSocket, SessionTokens, TokenInterceptor
 from sidecar.api.interceptor import CallInterceptor
 from sidecar.api.peer import PeerServicer
+from sidecar.api.session_socket import SessionSocket
 from sidecar.app.liveness import LivenessMonitor
 from sidecar.app.selftest_host import SelfTestServicer, TestEngineHost
 from sidecar.app.systemd import SystemdNotifier
@@ -100,6 +103,7 @@ class SidecarServer:
         self._socket_path = Path(settings.engine_socket)
         self._owns_socket = False
         self._credentials: CredentialSocket | None = None
+        self._session_socket: SessionSocket | None = None
         self._selftest: TestEngineHost | None = None
 
     async def start(self) -> None:
@@ -114,7 +118,9 @@ class SidecarServer:
             interceptors=[interceptor, TokenInterceptor(tokens, self._credentials.path)],
             options=_server_options(settings),
         )
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(EngineServicer(node), self.engine_server)
+        engine_servicer = EngineServicer(node)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(engine_servicer, self.engine_server)
+        self._session_socket = SessionSocket(settings, engine_servicer.session)
         # PeerService on the local socket too, so one `grpcurl -unix ... list` shows the whole API;
         # EngineService is never exposed on the peer port.
         # One PeerService servicer for both servers; its open peer streams end when the node stops.
@@ -158,6 +164,7 @@ class SidecarServer:
         advertise = advertised_address(settings, self.peer_port)
         host, _ = split_host_port(settings.peer_listen, "peer_listen")
         await node.start(advertise, [f"{host}:{self.peer_port}"])
+        await self._session_socket.start()  # before the engine socket answers: a client finds both
         await self.engine_server.start()
         await self.peer_server.start()
         os.chmod(self._socket_path, settings.engine_socket_mode)
@@ -238,7 +245,8 @@ class SidecarServer:
             await self.node.stop()
         remaining = max(0.1, deadline - time.monotonic())
         servers = [server for server in (self.engine_server, self.peer_server) if server is not None]
-        await asyncio.gather(*(server.stop(remaining) for server in servers))
+        session_socket = self._session_socket.stop(remaining) if self._session_socket is not None else asyncio.sleep(0)
+        await asyncio.gather(*(server.stop(remaining) for server in servers), session_socket)
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
         if self._metrics_http is not None:

@@ -2,7 +2,8 @@
 stream and are answered as their unary RPCs are (same results, same status codes and messages,
 refused without a session token); a stream that breaks fails its calls in flight with the reason
 and the client carries on after reconnecting; a call's deadline holds on the stream; a sidecar
-without the RPC gets unary calls. Real sidecar daemons, real gRPC."""
+without the RPC gets unary calls. The client's tests run on both transports (``session_transport``:
+the plain session socket, the gRPC stream). Real sidecar daemons, real gRPC, real sockets."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def _outcome(call: Any) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def test_calls_on_the_session_answer_as_their_unary_rpcs(sidecars, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calls_on_the_session_answer_as_their_unary_rpcs(
+    sidecars, session_transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     side = sidecars("s")
     bad_calls = [
         ("SubmitBlocks", engine_pb2.SubmitBlocksRequest(engine_id="", request_id="r")),  # no engine id
@@ -61,6 +64,7 @@ def test_calls_on_the_session_answer_as_their_unary_rpcs(sidecars, monkeypatch: 
 
     with SidecarClient(side.socket, timeout=10) as client:
         assert client.open_session(10)
+        assert client.session.transport == session_transport
         _unary_only(client, monkeypatch)
         on_session = [_outcome(lambda m=m, r=r: client.call(ENGINE_RPCS[m], r)) for m, r in bad_calls]
         assert on_session == unary  # same codes, same messages
@@ -109,10 +113,11 @@ def test_the_session_needs_a_token_and_rejects_what_unary_rejects(sidecars) -> N
     assert (answers[5].code, answers[5].message) == (no_engine.value.code().value[0], no_engine.value.details())
 
 
-def test_a_broken_session_fails_its_calls_in_flight_and_the_next_calls_work(sidecars) -> None:
+def test_a_broken_session_fails_its_calls_in_flight_and_the_next_calls_work(sidecars, session_transport: str) -> None:
     side = sidecars("s")
     with SidecarClient(side.socket, timeout=10) as client:
         assert client.open_session(10)
+        assert client.session.transport == session_transport
         os.kill(side.process.pid, signal.SIGSTOP)  # the call below stays in flight
         try:
             in_flight = client.status_async()
@@ -130,14 +135,16 @@ def test_a_broken_session_fails_its_calls_in_flight_and_the_next_calls_work(side
         client.wait_ready(10)
         assert client.status().sidecar.sidecar_id == side.sidecar_id  # unary while reconnecting, or not
         assert wait_until(lambda: client.open_session(1), 10, what="the session to reopen")
+        assert client.session.transport == session_transport
         assert client.session.start("GetStatus", engine_pb2.GetStatusRequest(), engine_pb2.GetStatusResponse, 10)
         assert client.status().sidecar.sidecar_id == side.sidecar_id
 
 
-def test_a_call_deadline_holds_on_the_session(sidecars) -> None:
+def test_a_call_deadline_holds_on_the_session(sidecars, session_transport: str) -> None:
     side = sidecars("s")
     with SidecarClient(side.socket, timeout=1.0) as client:
         assert client.open_session(10)
+        assert client.session.transport == session_transport
         os.kill(side.process.pid, signal.SIGSTOP)  # never answers
         try:
             with pytest.raises(grpc.RpcError) as late:
@@ -150,6 +157,7 @@ def test_a_call_deadline_holds_on_the_session(sidecars) -> None:
         finally:
             os.kill(side.process.pid, signal.SIGCONT)
         assert client.status().sidecar.sidecar_id == side.sidecar_id  # the stream itself is fine
+        assert client.session.transport == session_transport
 
 
 class _OlderSidecar(engine_pb2_grpc.EngineServiceServicer):
@@ -191,10 +199,11 @@ def test_an_older_sidecar_without_the_session_gets_unary_calls(older_sidecar) ->
     assert servicer.calls.count("GetStatus") == 6
 
 
-def test_closing_a_client_from_a_session_answer_callback_does_not_hang(sidecars) -> None:
+def test_closing_a_client_from_a_session_answer_callback_does_not_hang(sidecars, session_transport: str) -> None:
     side = sidecars("s")
     client = SidecarClient(side.socket, timeout=5)
     assert client.open_session(10)
+    assert client.session.transport == session_transport
     closed = threading.Event()
 
     def close(_: Any) -> None:
@@ -248,10 +257,11 @@ def test_a_session_acts_only_on_its_users_engines_as_unary_calls_do(sidecars, wo
                                   metadata=((TOKEN_KEY, tokens[owner]),)).engines  # fmt: skip
 
 
-def test_an_open_session_does_not_hold_the_sidecars_shutdown(sidecars) -> None:
+def test_an_open_session_does_not_hold_the_sidecars_shutdown(sidecars, session_transport: str) -> None:
     side = sidecars("s", args=["--set", "shutdown_grace_seconds=60"])
     with SidecarClient(side.socket, timeout=10) as client:
         assert client.open_session(10)
+        assert client.session.transport == session_transport
         assert client.status().sidecar.sidecar_id == side.sidecar_id
         # The server gives open calls the rest of the grace (60 s) to end: the sidecar ends the
         # session itself when it drains, so it stops well before that.

@@ -3,7 +3,8 @@ WatchEvents stream carries, on the one stream the worker's calls ride, several p
 several are ready, an answer before the events its call caused; a stream that breaks ends the
 watch with the reason and a new registration watches again, with no event lost silently or
 duplicated; a sidecar without the feature (the commit before it, or one from before the session
-stream) gets the WatchEvents RPC. Real sidecar daemons, real gRPC, real NIXL."""
+stream) gets the WatchEvents RPC. The client's tests run on both transports (``session_transport``).
+Real sidecar daemons, real gRPC, real sockets, real NIXL."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def engines() -> Iterator[list[Engine]]:
         engine.close()
 
 
-def test_a_workers_events_ride_its_session_stream(sidecars, engines) -> None:
+def test_a_workers_events_ride_its_session_stream(sidecars, engines, session_transport: str) -> None:
     p_side, d_side = sidecars("p"), sidecars("d")
     order: list[tuple[str, bool]] = []  # (request, was its ExpectPush answered when its event came)
     lock = threading.Lock()
@@ -89,6 +90,7 @@ def test_a_workers_events_ride_its_session_stream(sidecars, engines) -> None:
     engines += [producer, consumer]
     # One stream per worker: its events ride the session its calls ride.
     assert producer.watcher.transport == consumer.watcher.transport == SESSION
+    assert producer.client.session.transport == consumer.client.session.transport == session_transport
     assert producer.watcher.sidecar_id == p_side.sidecar_id and consumer.watcher.sidecar_id == d_side.sidecar_id
     assert [w.watching for w in consumer.client.status().engines[0].workers] == [True]
 
@@ -110,7 +112,9 @@ def test_a_workers_events_ride_its_session_stream(sidecars, engines) -> None:
             assert np.array_equal(consumer.block(layer, d_blocks[0][0]), producer.block(layer, p_blocks[0][0]))
 
 
-def test_an_event_waits_for_the_answer_of_its_requests_call_in_flight(sidecars, engines) -> None:
+def test_an_event_waits_for_the_answer_of_its_requests_call_in_flight(
+    sidecars, engines, session_transport: str
+) -> None:
     p_side, d_side = sidecars("p"), sidecars("d", args=["--set", "peer_call_timeout_seconds=1.5"])
     arrived: list[tuple[str, bool]] = []
     lock = threading.Lock()
@@ -122,6 +126,7 @@ def test_an_event_waits_for_the_answer_of_its_requests_call_in_flight(sidecars, 
 
     consumer = Engine(d_side, "D", CONSUMER, on_event=d_event)
     engines.append(consumer)
+    assert consumer.client.session.transport == session_transport
     with stopped(p_side):  # D's ExpectPush waits for P's handshake (up to its 1.5 s bound)
         with lock:
             # (No blocks: a full prefix hit, whose Release fails it at once, fences aside.)
@@ -190,7 +195,9 @@ def test_events_ready_together_go_in_one_message_after_their_answers(sidecars, e
     assert [(a.call_id, a.code) for a in ends] == [(1, grpc.StatusCode.CANCELLED.value[0])]
 
 
-def test_a_broken_stream_ends_the_watch_and_a_new_registration_watches_again(sidecars, engines) -> None:
+def test_a_broken_stream_ends_the_watch_and_a_new_registration_watches_again(
+    sidecars, engines, session_transport: str
+) -> None:
     p_side, d_side = sidecars("p"), sidecars("d")
     seen: list[str] = []
     consumer = Engine(d_side, "D", CONSUMER, on_event=lambda event: seen.append(event.request_id))
@@ -198,6 +205,7 @@ def test_a_broken_stream_ends_the_watch_and_a_new_registration_watches_again(sid
     producer = Engine(p_side, "P", PRODUCER)
     engines.append(producer)
     client = consumer.client
+    assert client.session.transport == session_transport
     with stopped(p_side):  # D's pulls wait for P's handshake
         for i in range(4):
             assert client.pull("D", f"old{i}", [[i]], remote(p_side.address, "P", f"old{i}", [[i]])).accepted
@@ -221,6 +229,7 @@ def test_a_broken_stream_ends_the_watch_and_a_new_registration_watches_again(sid
     wait_until(lambda: _registered(consumer), 20, what="D to register again")
     consumer.watcher = consumer.watch(on_event=lambda event: seen.append(event.request_id))
     assert consumer.watcher.transport == SESSION and consumer.watcher.sidecar_id == d_side.sidecar_id
+    assert client.session.transport == session_transport
     producer.client.submit_blocks("P", "new", [[3]], lease_seconds=30)
     assert client.pull("D", "new", [[5]], remote(p_side.address, "P", "new", [[3]])).accepted
     wait_until(lambda: seen, 20, what="the new pull's event")
