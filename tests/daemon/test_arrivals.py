@@ -100,7 +100,9 @@ def wait_unregistered(sidecar: Any, timeout: float = 10.0) -> bool:
 
 def test_a_pull_that_gave_up_waiting_never_reads_later(sidecars, engines) -> None:
     """D's Pull overtook P's SubmitBlocks and gave up after the grace (LOAD_FAILED: D's engine
-    reuses the blocks). P's SubmitBlocks arriving afterwards must not be read into them."""
+    reuses the blocks). P's SubmitBlocks arriving afterwards must not be read into them, and D
+    said it gave up (a Release, kept until the SubmitBlocks came): P's engine gets its blocks back
+    at once, not at the lease's end."""
     p_side = sidecars("p", args=["--set", "engine_arrival_wait_seconds=0"])
     d_side = sidecars("d", args=["--set", "producer_unknown_grace_seconds=0.5",
                                  "--set", "heartbeat_interval_seconds=0.02"])  # fmt: skip
@@ -118,5 +120,6 @@ def test_a_pull_that_gave_up_waiting_never_reads_later(sidecars, engines) -> Non
         reused = np.array(kv(consumer.buffers[0], 2, 64, 4096)[:, D_BLOCKS])
         assert producer.command("fill", blocks=BLOCKS, seed=80 + attempt)["ok"]
         assert producer.command("submit", request_id=request, blocks=[BLOCKS], lease_seconds=1)["ok"]
-        assert producer.wait_event(request, 10)[0]["event"] == "LEASE_EXPIRED"  # nobody read it
+        ended = producer.wait_event(request, 10)[0]
+        assert ended["event"] == "FINISHED_SENDING" and "released by consumer" in ended["reason"], ended
         assert np.array_equal(kv(consumer.buffers[0], 2, 64, 4096)[:, D_BLOCKS], reused), "a late READ landed"
