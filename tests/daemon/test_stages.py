@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -80,7 +81,16 @@ def test_pull_and_push_export_stage_histograms_per_side_and_mode(sidecars, engin
     assert consumer.wait_event("pushed-d", 20)[0]["event"] == "FINISHED_RECEIVING"
     producer.wait_event("pushed")
 
-    d_found, p_found = _scrape(ports["d"]), _scrape(ports["p"])
+    # A request's stages are observed in a loop callback after its event went out (off the
+    # event's latency), so the engine can have the event a moment before the scrape shows it.
+    deadline = time.monotonic() + 5.0
+    while True:
+        d_found, p_found = _scrape(ports["d"]), _scrape(ports["p"])
+        ended = [("count", "consumer", mode, "total") in d_found for mode in ("pull", "push")]
+        ended += [("count", "producer", mode, "total") in p_found for mode in ("pull", "push")]
+        if all(ended) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     for found, side, mode, ran_nixl in (
         (d_found, "consumer", "pull", True),
         (d_found, "consumer", "push", False),
