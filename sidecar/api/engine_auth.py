@@ -151,6 +151,21 @@ def peer_caller(sock: socket.socket) -> Caller:
     return Caller(uid, gid, pid)
 
 
+async def serve_unix(path: Path, handler: Callable[..., Awaitable[None]], mode: int) -> asyncio.AbstractServer:
+    """An asyncio Unix server on ``path`` with ``mode`` (never wider while it is being created).
+    The engine socket's path was checked first (no live daemon serves it), so a socket found
+    here is a crashed daemon's leftover and is replaced."""
+    if path.is_socket():
+        path.unlink()
+    previous_umask = os.umask(0o177)
+    try:
+        server = await asyncio.start_unix_server(handler, path=str(path))
+    finally:
+        os.umask(previous_umask)
+    os.chmod(path, stat.S_IMODE(mode))
+    return server
+
+
 class CredentialSocket:
     """The plain Unix socket next to the engine socket that answers tokens (see module doc)."""
 
@@ -163,16 +178,7 @@ class CredentialSocket:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        # The engine socket's path was checked first (no live daemon serves it), so a socket
-        # here is a crashed daemon's leftover.
-        if self.path.is_socket():
-            self.path.unlink()
-        previous_umask = os.umask(0o177)
-        try:
-            self._server = await asyncio.start_unix_server(self._answer, path=str(self.path))
-        finally:
-            os.umask(previous_umask)
-        os.chmod(self.path, stat.S_IMODE(self._mode))
+        self._server = await serve_unix(self.path, self._answer, self._mode)
 
     async def stop(self) -> None:
         if self._server is not None:

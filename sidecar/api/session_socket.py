@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import stat
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
@@ -30,7 +28,7 @@ import grpc
 
 from kvsidecar.session_socket import HEADER, frame, session_socket_for
 from kvsidecar.v1 import engine_pb2
-from sidecar.api.engine_auth import CALLER, Caller, CallerPolicy, peer_caller
+from sidecar.api.engine_auth import CALLER, Caller, CallerPolicy, peer_caller, serve_unix
 from sidecar.api.session import SessionDispatcher
 from sidecar.config import Settings
 from sidecar.logs import get_logger
@@ -85,16 +83,7 @@ class SessionSocket:
         self._connections: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
-        # The engine socket's path was checked first (no live daemon serves it), so a socket
-        # here is a crashed daemon's leftover.
-        if self.path.is_socket():
-            self.path.unlink()
-        previous_umask = os.umask(0o177)
-        try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        finally:
-            os.umask(previous_umask)
-        os.chmod(self.path, stat.S_IMODE(self._mode))
+        self._server = await serve_unix(self.path, self._serve, self._mode)
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, give open sessions up to ``grace`` to end (they end when the node
