@@ -294,6 +294,12 @@ def test_the_sidecar_removes_the_file_of_a_killed_engine_and_keeps_a_live_ones(s
     os.kill(doomed.process.pid, signal.SIGKILL)  # no chance to remove its own file
     doomed.process.wait(10)
     wait_until(lambda: not files_of(doomed), 15, 0.1, "the killed engine's shm file is removed")
-    assert any(event.get("event") == "orphaned_shm_file_removed" for event in sidecar.log_events())
+    # The file goes first, then the line that says so: the line may come a moment later.
+    wait_until(
+        lambda: any(event.get("event") == "orphaned_shm_file_removed" for event in sidecar.log_events()),
+        5,
+        0.1,
+        "the sidecar logs the removal",
+    )
     assert files_of(survivor) == kept
     assert survivor.command("fill", blocks=[1], seed=1)["ok"]  # the live engine is untouched
