@@ -81,13 +81,7 @@ def test_a_pull_whose_confirmation_hears_unknown_releases_its_producers_closing_
     async def scenario() -> None:
         async with harness(tmp_path) as h:
             consumer = h.node.consumer
-            await h.node.producer.submit(SidecarClient.submit_request(P, "req-k", [[3, 4]]))
-            keep = engine_pb2.KeepAliveRequest(engine_id=D, request_id="req-k-d", remote=remote(ADDRESS, P, "req-k"))
-            assert (await consumer.keep_alive(keep)).producer_holds
-            await consumer.heartbeat_once()
-            assert (D, "req-k-d") in consumer.keepalive.confirmed
-            await h.node.release(engine_pb2.ReleaseRequest(engine_id=P, request_id="req-k", reason="abort"))
-            assert h.node.producer.requests[(P, "req-k")].closing is not None
+            await _kept_alive_then_released(h, "req-k")
 
             pull = SidecarClient.pull_request(D, "req-k-d", [[7, 8]], remote(ADDRESS, P, "req-k", [[3, 4]]))
             await consumer.pull(pull)
@@ -107,12 +101,7 @@ def test_a_keep_alive_a_heartbeat_round_judges_lost_releases_its_producers_closi
     async def scenario() -> None:
         async with harness(tmp_path) as h:
             consumer = h.node.consumer
-            await h.node.producer.submit(SidecarClient.submit_request(P, "req-q", [[3, 4]]))
-            keep = engine_pb2.KeepAliveRequest(engine_id=D, request_id="req-q-d", remote=remote(ADDRESS, P, "req-q"))
-            assert (await consumer.keep_alive(keep)).producer_holds
-            await consumer.heartbeat_once()
-            await h.node.release(engine_pb2.ReleaseRequest(engine_id=P, request_id="req-q", reason="abort"))
-            assert h.node.producer.requests[(P, "req-q")].closing is not None
+            await _kept_alive_then_released(h, "req-q")
 
             await consumer.heartbeat_once()
             assert (D, "req-q-d") in consumer.keepalive.lost
@@ -120,3 +109,16 @@ def test_a_keep_alive_a_heartbeat_round_judges_lost_releases_its_producers_closi
             assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == "req-q", sent
 
     run(scenario)
+
+
+async def _kept_alive_then_released(h: Any, request: str) -> None:
+    """P holds ``request``; D's keep-alive for it (``<request>-d``) is confirmed by a heartbeat
+    (P's READ bound set); then P's engine releases it, and P waits for D's READ."""
+    consumer = h.node.consumer
+    await h.node.producer.submit(SidecarClient.submit_request(P, request, [[3, 4]]))
+    keep = engine_pb2.KeepAliveRequest(engine_id=D, request_id=f"{request}-d", remote=remote(ADDRESS, P, request))
+    assert (await consumer.keep_alive(keep)).producer_holds
+    await consumer.heartbeat_once()
+    assert (D, f"{request}-d") in consumer.keepalive.confirmed
+    await h.node.release(engine_pb2.ReleaseRequest(engine_id=P, request_id=request, reason="abort"))
+    assert h.node.producer.requests[(P, request)].closing is not None
