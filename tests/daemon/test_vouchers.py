@@ -46,8 +46,8 @@ def _consumer_kinds(side, request_id: str) -> list[str]:
     return [event.kind for event in timeline.events]
 
 
-def _pair(sidecars, engines, consumer_args: tuple[str, ...] = ()):
-    p_side, d_side = sidecars("p"), sidecars("d", list(consumer_args))
+def _pair(sidecars, engines, consumer_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+    p_side, d_side = sidecars("p", [], env), sidecars("d", list(consumer_args), env)
     producer = engines(p_side, "P", "producer")
     consumer = engines(d_side, "D", "consumer")
     assert producer.command("fill", blocks=list(range(64)), seed=5)["ok"]
@@ -145,11 +145,13 @@ def test_kv_transfer_params_carry_the_voucher_and_bad_ones_are_ignored() -> None
     assert not voucher.verify(b"short", signed, "P", "r", [[1, 2]], 123)
 
 
-def test_a_vouched_pull_from_a_hung_producer_sidecar_ends_by_the_voucher(pair) -> None:
-    """A stopped producer sidecar answers nothing and UCX does not complete the READ without it:
-    the pull fails once the voucher's bound (its time less the skew allowance) passes, never
-    later and never as a success; the producer, resumed, frees its blocks."""
-    producer, consumer, p_side, _ = pair
+def test_a_vouched_pull_from_a_hung_producer_sidecar_ends_by_the_voucher(sidecars, engines) -> None:
+    """A stopped producer sidecar answers nothing, and a READ that needs it never completes: the
+    pull fails once the voucher's bound (its time less the skew allowance) passes, never later
+    and never as a success; the producer, resumed, frees its blocks. Over UCX's tcp transport
+    the READ needs the producer's progress, as between hosts without RDMA; on one host UCX may
+    pick CMA instead, where the kernel reads a stopped process's memory and the READ may finish."""
+    producer, consumer, p_side, _ = _pair(sidecars, engines, env={"UCX_TLS": "tcp"})
     key, until_ms = _vouched_submit(producer, "v5", [12, 13], seconds=3.0)
     signed = voucher.sign(key, "P", "v5", [[12, 13]], until_ms)
     with stopped(p_side):
