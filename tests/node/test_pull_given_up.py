@@ -111,6 +111,32 @@ def test_a_keep_alive_a_heartbeat_round_judges_lost_releases_its_producers_closi
     run(scenario)
 
 
+def test_a_pull_whose_handshake_times_out_releases_its_producers_request(tmp_path: Path) -> None:
+    """D's handshake with P's sidecar gets no answer within ``peer_call_timeout_seconds`` (a slow or
+    hung node): D fails the pull without reading, and tells P, whose engine gets its blocks back at
+    once rather than when the lease runs out (30 s)."""
+
+    async def scenario() -> None:
+        async with harness(tmp_path, peer_call_timeout_seconds=0.2) as h:
+            await h.node.producer.submit(SidecarClient.submit_request(P, "req-h", [[3, 4]]))
+            never = asyncio.Event()
+
+            async def hung_handshake(*args: Any) -> Any:
+                await never.wait()
+
+            h.node.peers.engine = hung_handshake  # type: ignore[method-assign]
+            pull = SidecarClient.pull_request(D, "req-h-d", [[7, 8]], remote(ADDRESS, P, "req-h", [[3, 4]]))
+            await h.node.consumer.pull(pull)
+            failed = await h.next_event(D)
+            assert failed.kind == engine_pb2.LOAD_FAILED and "timed out" in failed.reason, failed
+            sent = await h.next_event(P, timeout=3.0)
+            assert sent.kind == engine_pb2.FINISHED_SENDING and sent.request_id == "req-h", sent
+            assert (P, "req-h") not in h.node.producer.requests
+            assert not h.fabric.transfers, "D read blocks it had given up"
+
+    run(scenario)
+
+
 async def _kept_alive_then_released(h: Any, request: str) -> None:
     """P holds ``request``; D's keep-alive for it (``<request>-d``) is confirmed by a heartbeat
     (P's READ bound set); then P's engine releases it, and P waits for D's READ."""

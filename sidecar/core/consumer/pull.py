@@ -97,7 +97,10 @@ class PullReader:
         except RequestEnded:
             return  # released, or failed by a heartbeat round: no READ may start
         except TimeoutError:
-            table.fail(pending, f"handshake with {address or 'this sidecar'} timed out", reason_label="handshake")
+            reason = f"handshake with {address or 'this sidecar'} timed out"
+            table.fail(pending, reason, reason_label="handshake")
+            # A slow producer, not a dead one, would hold the blocks until its lease ran out.
+            await table.tell_producer(pending, consumed=False, reason=reason)
             return
         except ProducerLost as exc:
             if table.is_open(pending):  # else whoever ended it told the producer
