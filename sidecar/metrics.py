@@ -29,6 +29,8 @@ class SidecarMetrics:
 
     def __init__(self, nixl_version: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # (metric, label values) -> its labelled child; see ``child``.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.build_info = Info("kvsidecar_build", "Versions of kvsidecar and what it runs on.", registry=r)
         self.build_info.info(
@@ -189,6 +191,17 @@ class SidecarMetrics:
             "KV files of workers that died without removing them, removed by this sidecar.",
             registry=r,
         )
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once: ``labels`` takes a lock and builds its key on
+        every call, which per request (and per transfer, on the NIXL owner thread) added up. Values
+        in the order the metric declares its labels. Safe from any thread: two threads looking up
+        the same new child get the one ``labels`` keeps."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def serve_http(self, host: str, port: int) -> tuple[Any, int]:
         """Start the /metrics HTTP endpoint in a daemon thread; returns (server, bound port)."""

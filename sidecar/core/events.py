@@ -87,7 +87,7 @@ class WorkerEvents:
         engine = self._registry.engines.get(engine_id)
         if engine is None:
             return
-        self._metrics.events.labels(kind=engine_pb2.EventKind.Name(event.kind)).inc()
+        self._metrics.child(self._metrics.events, engine_pb2.EventKind.Name(event.kind)).inc()
         for worker in engine.ordered_workers():
             if worker.overflowed:
                 continue

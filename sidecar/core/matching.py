@@ -11,6 +11,7 @@ A registration and a submission only match within the same producer engine.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -25,8 +26,10 @@ _TOKEN_PRIORITY = {"tid": 0, "rid": 1, "base": 2}
 Order = TypeVar("Order")
 
 
+@functools.lru_cache(maxsize=8192)
 def base_request_id(request_id: str) -> str:
-    """vLLM's request id without its trailing random 8-hex suffix."""
+    """vLLM's request id without its trailing random 8-hex suffix (cached: one request's id is
+    asked for several times, by matching and by the trace index)."""
     return _RANDOM_SUFFIX.sub("", request_id)
 
 

@@ -455,7 +455,7 @@ class PushWriter:
             )
             await self._send_transfer_failed(address, request, error)
         else:
-            ctx.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
+            ctx.metrics.child(ctx.metrics.request_duration, "push", "producer").observe(time.monotonic() - started)
         kind: int = engine_pb2.FINISHED_SENDING
         reason = error
         if pending.end is not None:

@@ -46,7 +46,7 @@ _MAX_LEARNED_ADDRESSES = 4096
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Event:
     kind: str
     unix_s: float
@@ -148,7 +148,7 @@ class TraceRecorder:
         if len(timeline.events) >= MAX_EVENTS and not done:
             timeline.dropped += 1
             return
-        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured or {})))
+        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured) if measured else {}))
         if done and not timeline.done:
             timeline.done = True
             if self._on_done is not None:
@@ -201,11 +201,18 @@ class TraceRecorder:
         return sorted((timeline for timeline in found if timeline.matches(wanted)), key=lambda t: t.seq)
 
     def _index(self, key: tuple[str, str, str], names: Iterable[str]) -> None:
-        indexed = self._indexed.setdefault(key, set())
+        indexed = self._indexed.get(key)
+        if indexed is None:
+            indexed = self._indexed[key] = set()
+        by_name = self._by_name
         for name in names:
             if name and name not in indexed:
                 indexed.add(name)
-                self._by_name.setdefault(name, set()).add(key)
+                keys = by_name.get(name)
+                if keys is None:
+                    by_name[name] = {key}
+                else:
+                    keys.add(key)
 
     def _forget(self, key: tuple[str, str, str], timeline: Timeline) -> None:
         for name in self._indexed.pop(key, ()):
