@@ -30,7 +30,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvsidecar.v1 import common_pb2, engine_pb2
+from kvsidecar.v1 import common_pb2
+from sidecar.core.events import kind_name
 from sidecar.core.matching import base_request_id
 from sidecar.dataplane.views import StepHook
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
@@ -156,7 +157,7 @@ class TraceRecorder:
 
     def ended(self, side: str, engine_id: str, request_id: str, kind: int, reason: str = "", moved: int = 0) -> None:
         """The terminal event the engine gets (FINISHED_* is "finished", anything else "failed")."""
-        name = engine_pb2.EventKind.Name(kind)
+        name = kind_name(kind)
         finished = name.startswith("FINISHED")
         detail = f"{name}, {moved} bytes moved" + (f": {reason}" if reason else "")
         self.event(side, engine_id, request_id, "finished" if finished else "failed", detail, done=True)
