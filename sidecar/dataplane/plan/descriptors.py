@@ -59,11 +59,18 @@ def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
         if len(set(ids)) != len(ids):
             raise PlanError(f"group {group}: block ids repeat")
     per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
-    parts = []
-    for region_index, region in enumerate(worker.regions):
-        if region.group_id >= len(per_group):
-            continue
-        parts.append(per_group[region.group_id] + region_index * worker.num_blocks)
-    if not parts:
+    # One array operation for every region (a worker has one per layer, or two: K and V), not one
+    # per region: region r's part is its group's ids + r * num_blocks, region after region.
+    if len(per_group) == 1 and worker.num_groups == 1:  # one KV cache group (the common case)
+        return (worker.region_starts + per_group[0][None, :]).reshape(-1).astype(np.int32)
+    groups = worker.region_groups
+    regions = np.flatnonzero(groups < len(per_group))  # the regions of the groups named
+    if not len(regions):
         return np.empty(0, dtype=np.int32)
+    offsets = (regions * worker.num_blocks)[:, None]
+    if len(per_group) == 1:
+        return (offsets + per_group[0][None, :]).reshape(-1).astype(np.int32)
+    if len({len(ids) for ids in per_group}) == 1:
+        return (np.stack(per_group)[groups[regions]] + offsets).reshape(-1).astype(np.int32)
+    parts = [per_group[groups[region]] + region * worker.num_blocks for region in regions]
     return np.concatenate(parts).astype(np.int32)
