@@ -189,6 +189,8 @@ class PushMatcher(Generic[Order]):
         index: dict[tuple[str, str], set[tuple[str, str]]], engine_id: str, tokens: set[str]
     ) -> list[tuple[str, str]]:
         found: list[tuple[str, str]] = []
+        if not index:
+            return found  # nothing waits on that side (one side usually comes first)
         # Transfer ids first, then exact producer ids, then base ids.
         for token in sorted(tokens, key=lambda token: _TOKEN_PRIORITY[token.split(":", 1)[0]]):
             found.extend(sorted(index.get((engine_id, token), ())))
