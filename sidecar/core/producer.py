@@ -59,9 +59,7 @@ from sidecar.errors import (
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
-
-# TransferMode number -> name, looked up once (the enum wrapper builds a list per values() call).
-_MODE_NAMES = {number: name for name, number in common_pb2.TransferMode.items()}
+_MODE_NAMES = {number: name for name, number in common_pb2.TransferMode.items()}  # not values() per call
 
 
 class ProducerSide:
