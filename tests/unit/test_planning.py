@@ -141,3 +141,17 @@ def test_equal_tp_sizes_notify_each_target_once_and_leave_none_unpaired() -> Non
             ]
             assert [expected_notifications(tp, tp, target, is_mla) for target in range(tp)] == counted == [1] * tp
             assert unpaired_targets(tp, tp, is_mla) == []
+
+
+def test_descriptor_indices_refuse_bad_ids_alike_in_short_and_long_lists() -> None:
+    """Short lists are checked in Python, long ones (a request of many blocks) in bulk: the same
+    indices and the same refusals, naming the largest id out of range."""
+    worker = layout(num_blocks=4096, regions=3)
+    for count in (3, 63, 64, 1024):
+        ids = tuple(range(10, 10 + count))
+        assert descriptor_indices(worker, (ids,)).tolist() == _indices_region_by_region(worker, (ids,))
+        past = 4096 + count
+        with pytest.raises(PlanError, match=rf"^group 0: block id {past} is out of range \(the engine has 4096"):
+            descriptor_indices(worker, ((*ids, past),))
+        with pytest.raises(PlanError, match=r"^group 0: block ids repeat$"):
+            descriptor_indices(worker, ((*ids, ids[-1]),))

@@ -26,7 +26,7 @@ def view_descriptors(worker: WorkerLayout, view: Slice) -> np.ndarray:
     return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
 
 
-def physical_block_ids(logical: Sequence[int], physical_per_logical: int) -> np.ndarray:
+def physical_block_ids(logical: Sequence[int] | np.ndarray, physical_per_logical: int) -> np.ndarray:
     """Expand logical block ids to kernel (physical) ids: b -> [b*n, ..., b*n + n - 1]."""
     ids = np.asarray(logical, dtype=np.int64)
     if physical_per_logical == 1:
@@ -46,6 +46,10 @@ def block_byte_ranges(worker: WorkerLayout, block_ids: BlockIds) -> list[tuple[i
     return ranges
 
 
+# Block lists at least this long are checked with numpy (below it Python's max and set are cheaper).
+_BULK_IDS = 64
+
+
 def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
     """Indices into a view of ``worker`` selecting ``block_ids`` (per group) in every region.
 
@@ -53,12 +57,24 @@ def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
     before they get here, and this keeps a descriptor from ever landing outside the named blocks
     (an id past the end would select the next region's blocks)."""
     limit = worker.num_blocks // max(worker.physical_per_logical, 1)
+    per_group = []
     for group, ids in enumerate(block_ids):
-        if ids and max(ids) >= limit:
-            raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")
-        if len(set(ids)) != len(ids):
+        # A few ids: Python's max and set cost less than numpy's set-up; many (a request of
+        # thousands of blocks): sorted in bulk (as branch ownerpath's 047c205 does).
+        if len(ids) < _BULK_IDS:
+            if ids and max(ids) >= limit:
+                raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")
+            if len(set(ids)) != len(ids):
+                raise PlanError(f"group {group}: block ids repeat")
+            per_group.append(physical_block_ids(ids, worker.physical_per_logical))
+            continue
+        logical = np.asarray(ids, dtype=np.int64)
+        ordered = np.sort(logical)
+        if ordered[-1] >= limit:
+            raise PlanError(f"group {group}: block id {ordered[-1]} is out of range (the engine has {limit} blocks)")
+        if (ordered[1:] == ordered[:-1]).any():
             raise PlanError(f"group {group}: block ids repeat")
-    per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
+        per_group.append(physical_block_ids(logical, worker.physical_per_logical))
     # One array operation for every region (a worker has one per layer, or two: K and V), not one
     # per region: region r's part is its group's ids + r * num_blocks, region after region.
     if len(per_group) == 1 and worker.num_groups == 1:  # one KV cache group (the common case)
