@@ -41,7 +41,9 @@ def _message(engine_id: str, request_id: str, block_ids: Sequence[Sequence[int]]
 
 def sign(key: bytes, engine_id: str, request_id: str, block_ids: Sequence[Sequence[int]], until_ms: int) -> bytes:
     """The voucher for these blocks of ``request_id`` on ``engine_id``, valid until ``until_ms``."""
-    return hmac.new(key, _message(engine_id, request_id, block_ids, until_ms), hashlib.sha256).digest()
+    # hmac.digest: OpenSSL's one-shot HMAC, the same bytes as hmac.new(...).digest() at a fraction
+    # of its cost (no Python HMAC object, no key padding in Python) on both engines' and sidecars' hot paths.
+    return hmac.digest(key, _message(engine_id, request_id, block_ids, until_ms), hashlib.sha256)
 
 
 def verify(

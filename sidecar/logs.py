@@ -17,6 +17,16 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _BoundLogger(structlog.stdlib.BoundLogger):
+    """structlog's stdlib logger, where a debug line below the level costs one cached level check
+    instead of a copy of the bound context and a processor run that drops it (``filter_by_level``)."""
+
+    def debug(self, event: str | None = None, *args: Any, **kw: Any) -> Any:
+        if not self._logger.isEnabledFor(logging.DEBUG):
+            return None
+        return super().debug(event, *args, **kw)
+
+
 def configure_logging(log_format: str = "auto", level: str = "info") -> None:
     """Configure structlog and the stdlib root logger once for the process."""
     use_json = log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
@@ -37,7 +47,7 @@ def configure_logging(log_format: str = "auto", level: str = "info") -> None:
         # Drop filtered-out levels before any processor runs: debug calls on hot paths cost nothing.
         processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        wrapper_class=_BoundLogger,
         cache_logger_on_first_use=True,
     )
     formatter = structlog.stdlib.ProcessorFormatter(

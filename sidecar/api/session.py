@@ -179,6 +179,7 @@ class SessionDispatcher:
 
     async def _read(self, calls: AsyncIterator[Any], stream: _Stream) -> None:
         """Start each call as it arrives; once the client half-closed, wait for those in flight."""
+        loop = asyncio.get_running_loop()
         try:
             async for batch in calls:
                 if not isinstance(batch, engine_pb2.SessionCalls):  # undecodable (CallInterceptor's, or a frame)
@@ -192,7 +193,7 @@ class SessionDispatcher:
                         stream.cancel(call.call_id)
                         continue
                     stream.started += 1
-                    task = asyncio.ensure_future(self._answer(call, stream))
+                    task = loop.create_task(self._answer(call, stream))
                     stream.running.add(task)
                     stream.by_id[call.call_id] = task
                     task.add_done_callback(stream.running.discard)

@@ -77,7 +77,7 @@ class Tasks:
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], engines: list[str]) -> asyncio.Task[Any]:
         """Run a request's work in the background, remembering which engines it touches."""
-        task = asyncio.ensure_future(coroutine)
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks[task] = tuple(engines)
         task.add_done_callback(self._task_done)
         return task

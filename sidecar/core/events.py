@@ -27,6 +27,14 @@ from sidecar.metrics import SidecarMetrics
 
 log = get_logger("kvsidecar.node")
 
+_KIND_NAMES = {number: name for name, number in engine_pb2.EventKind.items()}
+
+
+def kind_name(kind: int) -> str:
+    """``EventKind.Name(kind)`` from a table (protobuf's lookup costs a microsecond per event)."""
+    name = _KIND_NAMES.get(kind)
+    return name if name is not None else engine_pb2.EventKind.Name(kind)
+
 
 class Subscription:
     """One watch of a worker's events (a WatchEvents stream, or a WatchEvents call on a session
@@ -83,12 +91,15 @@ class WorkerEvents:
         self.on_detached: Callable[[Worker], None] = lambda worker: None
 
     def emit(self, engine_id: str, event: engine_pb2.Event) -> None:
-        """Queue ``event`` for every worker of the engine."""
+        """Queue ``event`` for every worker of the engine. The caller hands ``event`` over: the last
+        worker queues it as it is (the others a copy each), so it must not change it afterwards."""
         engine = self._registry.engines.get(engine_id)
         if engine is None:
             return
-        self._metrics.events.labels(kind=engine_pb2.EventKind.Name(event.kind)).inc()
-        for worker in engine.ordered_workers():
+        self._metrics.child(self._metrics.events, kind_name(event.kind)).inc()
+        workers = engine.ordered_workers()
+        last = workers[-1] if workers else None
+        for worker in workers:
             if worker.overflowed:
                 continue
             if worker.events.qsize() >= self._settings.max_queued_events:
@@ -96,6 +107,9 @@ class WorkerEvents:
                 log.error("event_queue_overflow", worker=worker.worker_id, queued=worker.events.qsize())
                 reason = f"more than {self._settings.max_queued_events} events were not consumed"
                 self._queue(worker, StreamClosed(reason, True))
+                continue
+            if worker is last:
+                self._queue(worker, event)  # nobody else gets it: no copy
                 continue
             copy = engine_pb2.Event()
             copy.CopyFrom(event)

@@ -11,6 +11,7 @@ A registration and a submission only match within the same producer engine.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -25,8 +26,10 @@ _TOKEN_PRIORITY = {"tid": 0, "rid": 1, "base": 2}
 Order = TypeVar("Order")
 
 
+@functools.lru_cache(maxsize=8192)
 def base_request_id(request_id: str) -> str:
-    """vLLM's request id without its trailing random 8-hex suffix."""
+    """vLLM's request id without its trailing random 8-hex suffix (cached: one request's id is
+    asked for several times, by matching and by the trace index)."""
     return _RANDOM_SUFFIX.sub("", request_id)
 
 
@@ -186,6 +189,8 @@ class PushMatcher(Generic[Order]):
         index: dict[tuple[str, str], set[tuple[str, str]]], engine_id: str, tokens: set[str]
     ) -> list[tuple[str, str]]:
         found: list[tuple[str, str]] = []
+        if not index:
+            return found  # nothing waits on that side (one side usually comes first)
         # Transfer ids first, then exact producer ids, then base ids.
         for token in sorted(tokens, key=lambda token: _TOKEN_PRIORITY[token.split(":", 1)[0]]):
             found.extend(sorted(index.get((engine_id, token), ())))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from typing import Any
 
 from kvsidecar.v1 import engine_pb2, peer_pb2
@@ -233,7 +232,8 @@ class Node:
         runs to its end before the stream writes), on a copy of the events recorded so far."""
         if timeline.side not in ("producer", "consumer"):
             return
-        ended = replace(timeline, events=list(timeline.events))
+        ended = Timeline(timeline.side, timeline.engine_id, timeline.request_id, mode=timeline.mode,
+                         events=list(timeline.events))  # fmt: skip
         try:
             asyncio.get_running_loop().call_soon(self._record_stages, ended)
         except RuntimeError:  # no loop (a part driven without one): observe now
@@ -256,11 +256,12 @@ class Node:
         # prometheus_client metrics are thread-safe.
         if result.ok:
             metrics = self.metrics
-            metrics.xfer_duration.labels(op=op, path=path).observe(result.duration_s)
-            metrics.xfer_post.labels(op=op, path=path).observe(result.post_s)
-            metrics.xfer_bytes.labels(op=op, path=path).inc(result.bytes)
-            metrics.xfer_request_bytes.labels(op=op, path=path).observe(result.bytes)
-            metrics.xfer_descriptors.labels(op=op, path=path).observe(result.descriptors)
+            child = metrics.child
+            child(metrics.xfer_duration, op, path).observe(result.duration_s)
+            child(metrics.xfer_post, op, path).observe(result.post_s)
+            child(metrics.xfer_bytes, op, path).inc(result.bytes)
+            child(metrics.xfer_request_bytes, op, path).observe(result.bytes)
+            child(metrics.xfer_descriptors, op, path).observe(result.descriptors)
 
     async def _unload_peer_agents(self, address: str, agent_names: list[str]) -> None:
         # The peer's view is gone (restart, engine re-registered or left): so is its VRAM opened here.

@@ -59,6 +59,7 @@ from sidecar.errors import (
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.producer")
+_MODE_NAMES = {number: name for name, number in common_pb2.TransferMode.items()}  # not values() per call
 
 
 class ProducerSide:
@@ -83,7 +84,7 @@ class ProducerSide:
         lease = validation.duration(request.lease_seconds, "lease_seconds", ctx.settings.lease_seconds)
         if request.vouched_until_ms / 1000.0 - time.time() > 86400:  # a past one is simply over
             raise InvalidArgument("vouched_until_ms", "must be a Unix time in milliseconds within the next 24 hours")
-        if request.mode not in common_pb2.TransferMode.values():
+        if request.mode not in _MODE_NAMES:
             raise InvalidArgument("mode", f"unknown transfer mode {request.mode}")
         engine = ctx.registry.require_engine(request.engine_id, "engine_id", PRODUCER_ROLES)
         self._check_blocks(engine, blocks, "block_ids")
@@ -113,8 +114,7 @@ class ProducerSide:
             pending.engine_id,
             pending.request_id,
             "admitted",
-            f"SubmitBlocks: {count_blocks(blocks)} blocks, {common_pb2.TransferMode.Name(request.mode)}, "
-            f"lease {lease:g}s",
+            f"SubmitBlocks: {count_blocks(blocks)} blocks, {_MODE_NAMES[request.mode]}, lease {lease:g}s",
             transfer_id=pending.transfer_id,
             measured=since_rpc(),
             mode="pull" if request.mode == common_pb2.TRANSFER_MODE_PULL else "",

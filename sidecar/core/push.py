@@ -304,12 +304,15 @@ class PushWriter:
             ids = (registration.engine_id, registration.transfer_id, registration.prefill_request_id)
             for key in withdrawal_keys(*ids):
                 self._withdrawn.take(key, arrival)
-        if self.matcher.submission_matching(registration) is None:
+        submission = self.matcher.submission_matching(registration)
+        if submission is None:
             self._refuse_if_released(registration, arrival)
             # It would wait: refused while draining for shutdown, or at capacity. One for blocks
             # we already hold is served even while draining, so the consumer need not recompute.
             ctx.tasks.check_capacity(self.matcher.pending_registrations)
-        submission = self.matcher.add_registration(registration)
+            self.matcher.add_registration(registration)  # matches nothing: stored
+        else:
+            self.matcher.remove_submission(submission.engine_id, submission.request_id)
         if submission is None:
             ctx.trace.event(
                 "push_registration",
@@ -455,7 +458,7 @@ class PushWriter:
             )
             await self._send_transfer_failed(address, request, error)
         else:
-            ctx.metrics.request_duration.labels(mode="push", side="producer").observe(time.monotonic() - started)
+            ctx.metrics.child(ctx.metrics.request_duration, "push", "producer").observe(time.monotonic() - started)
         kind: int = engine_pb2.FINISHED_SENDING
         reason = error
         if pending.end is not None:

@@ -1,7 +1,11 @@
 """A ``DeadlineHeap`` that fires a callback on the event loop when deadlines pass.
 
-One ``TimerHandle`` per heap, always set for the earliest deadline, so an idle sidecar makes no
-periodic wake-ups. Used on the event loop thread only.
+One ``TimerHandle`` per heap, set for a time no later than the earliest deadline, so an idle
+sidecar makes no periodic wake-ups. A handle is re-armed only when a deadline comes *earlier*
+than it: when the earliest key is cancelled or extended (every request's end, with deadlines set
+in arrival order) the handle stays, fires early, finds nothing due and re-arms for the deadline
+then earliest; re-arming at each end cost the loop a cancelled handle and a heap push per request
+and timer. Used on the event loop thread only.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class DeadlineTimer(Generic[K]):
 
     def _reschedule(self) -> None:
         upcoming = self.heap.next_deadline()
-        if upcoming == self._armed_for:
-            return
+        armed = self._armed_for
+        if upcoming == armed or (armed is not None and (upcoming is None or upcoming > armed)):
+            return  # armed for that deadline, or earlier (see the module doc)
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None

@@ -30,7 +30,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvsidecar.v1 import common_pb2, engine_pb2
+from kvsidecar.v1 import common_pb2
+from sidecar.core.events import kind_name
 from sidecar.core.matching import base_request_id
 from sidecar.dataplane.views import StepHook
 from sidecar.errors import InvalidArgument, NotFound, SidecarError
@@ -46,7 +47,7 @@ _MAX_LEARNED_ADDRESSES = 4096
 T = TypeVar("T")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Event:
     kind: str
     unix_s: float
@@ -148,7 +149,7 @@ class TraceRecorder:
         if len(timeline.events) >= MAX_EVENTS and not done:
             timeline.dropped += 1
             return
-        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured or {})))
+        timeline.events.append(_Event(kind, time.time(), time.monotonic(), detail, dict(measured) if measured else {}))
         if done and not timeline.done:
             timeline.done = True
             if self._on_done is not None:
@@ -156,7 +157,7 @@ class TraceRecorder:
 
     def ended(self, side: str, engine_id: str, request_id: str, kind: int, reason: str = "", moved: int = 0) -> None:
         """The terminal event the engine gets (FINISHED_* is "finished", anything else "failed")."""
-        name = engine_pb2.EventKind.Name(kind)
+        name = kind_name(kind)
         finished = name.startswith("FINISHED")
         detail = f"{name}, {moved} bytes moved" + (f": {reason}" if reason else "")
         self.event(side, engine_id, request_id, "finished" if finished else "failed", detail, done=True)
@@ -201,11 +202,18 @@ class TraceRecorder:
         return sorted((timeline for timeline in found if timeline.matches(wanted)), key=lambda t: t.seq)
 
     def _index(self, key: tuple[str, str, str], names: Iterable[str]) -> None:
-        indexed = self._indexed.setdefault(key, set())
+        indexed = self._indexed.get(key)
+        if indexed is None:
+            indexed = self._indexed[key] = set()
+        by_name = self._by_name
         for name in names:
             if name and name not in indexed:
                 indexed.add(name)
-                self._by_name.setdefault(name, set()).add(key)
+                keys = by_name.get(name)
+                if keys is None:
+                    by_name[name] = {key}
+                else:
+                    keys.add(key)
 
     def _forget(self, key: tuple[str, str, str], timeline: Timeline) -> None:
         for name in self._indexed.pop(key, ()):

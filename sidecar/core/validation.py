@@ -4,6 +4,7 @@ callers get INVALID_ARGUMENT with a precise message and nothing half-applied. Pu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
@@ -69,8 +70,10 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 
 
+@functools.lru_cache(maxsize=1024)
 def address_problem(value: str) -> str | None:
-    """Why ``value`` is not a peer address ``HOST:PORT`` (``[v6]:PORT``), or None."""
+    """Why ``value`` is not a peer address ``HOST:PORT`` (``[v6]:PORT``), or None (cached: the same
+    few peer addresses come in every request)."""
     host, sep, port = value.rpartition(":")
     if not sep or not host:
         return f"must be HOST:PORT, got {value!r}"

@@ -146,6 +146,8 @@ class DataPlane:
         converted = self.converts(job.initiator, job.initiator_tp, target)
         if converted:
             span = self._span(job.op, job.initiator, target, job.initiator_blocks, job.target_blocks, job.num_tokens)
+        elif _same_lengths(job.initiator_blocks, job.target_blocks):
+            pass  # nothing to trim (no prefix hit): the job as it is, not a copy of it
         elif job.op == "READ":
             job = replace(job, target_blocks=trim_to_tail(job.target_blocks, job.initiator_blocks))
         else:
@@ -529,10 +531,30 @@ def _describe(op: str, agent_name: str, result: TransferResult) -> str:
     )
 
 
+def _same_lengths(initiator: BlockIds, target: BlockIds) -> bool:
+    """Both sides list as many blocks per group: ``trim_to_tail`` would keep every block."""
+    return len(initiator) == len(target) and all(len(a) == len(b) for a, b in zip(initiator, target, strict=True))
+
+
+# (layout's id, slice, memory type) -> (the layout, its spec); the layout is kept so its id is not
+# reused while the entry lives. Bounded: cleared past _VIEW_SPECS_MAX (re-handshaken peers).
+_view_specs: dict[tuple[int, int, int, str], tuple[WorkerLayout, DlistSpec]] = {}
+_VIEW_SPECS_MAX = 4096
+
+
 def _view_spec(layout: WorkerLayout, view: Slice, mem_type: str) -> DlistSpec:
-    return DlistSpec(
+    """The spec of a worker's view, built once per (layout, slice, memory type) and not per post."""
+    key = (id(layout), view.index, view.count, mem_type)
+    cached = _view_specs.get(key)
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    if len(_view_specs) >= _VIEW_SPECS_MAX:
+        _view_specs.clear()
+    spec = DlistSpec(
         key=("view", view.index, view.count), build=lambda: view_descriptors(layout, view), mem_type=mem_type
     )
+    _view_specs[key] = (layout, spec)
+    return spec
 
 
 def _measured(result: TransferResult, resumed: bool = False) -> dict[str, float] | None:

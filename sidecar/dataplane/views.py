@@ -78,8 +78,7 @@ class EngineView:
         if not self.workers:
             return f"engine {self.engine_id} has no workers"
         layout = self.workers[0].layout
-        num_groups = 1 + max((region.group_id for region in layout.regions), default=0)
-        return check_block_ids(block_ids, num_groups, layout.num_blocks, layout.physical_per_logical)
+        return check_block_ids(block_ids, layout.num_groups, layout.num_blocks, layout.physical_per_logical)
 
 
 def worker_layout(

@@ -1,5 +1,7 @@
 """DeadlineHeap: expiry by deadline, not by insertion order (vllm #58222)."""
 
+from typing import Any
+
 from sidecar.core.leases import DeadlineHeap
 
 
@@ -55,3 +57,44 @@ def test_many_extensions_keep_the_heap_compact() -> None:
 def heap_deadline_after(key: int) -> float:
     # The last extension of key k happened at round 990 + k.
     return 1000.0 + 990 + key
+
+
+def test_a_timer_is_not_rearmed_per_request_yet_every_deadline_fires_on_time() -> None:
+    """DeadlineTimer: requests that end in arrival order (the earliest deadline cancelled each
+    time) do not cost the loop a new timer handle each; the one armed fires early, finds nothing
+    due and re-arms, so a later deadline still fires when it passes, and an idle timer disarms."""
+    import asyncio
+    import time
+
+    from sidecar.core.timers import DeadlineTimer
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        armed: list[float] = []
+        call_at = loop.call_at
+
+        def counting(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            if getattr(callback, "__self__", None) is timer:
+                armed.append(when)
+            return call_at(when, callback, *args, **kwargs)
+
+        fired: list[tuple[str, float]] = []
+        timer: DeadlineTimer[str] = DeadlineTimer(lambda keys: fired.extend((key, time.monotonic()) for key in keys))
+        loop.call_at = counting  # type: ignore[method-assign]
+        start = time.monotonic()
+        for index in range(100):  # 100 requests, each ended before its deadline, in arrival order
+            timer.set(f"r{index}", start + 0.05 + index * 0.001)
+            if index:
+                timer.cancel(f"r{index - 1}")
+        assert len(armed) == 1, "cancelling the earliest deadline re-armed the loop's timer"
+        await asyncio.sleep(0.25)
+        assert [key for key, _ in fired] == ["r99"]
+        assert fired[0][1] >= start + 0.05 + 99 * 0.001  # never early
+        assert timer._handle is None  # idle: nothing armed
+        timer.set("late", time.monotonic() + 0.02)
+        timer.set("earlier", time.monotonic() + 0.01)  # an earlier deadline re-arms at once
+        await asyncio.sleep(0.1)
+        assert [key for key, _ in fired[1:]] == ["earlier", "late"]
+        timer.close()
+
+    asyncio.run(scenario())

@@ -103,3 +103,55 @@ def test_block_id_checks() -> None:
     assert "out of range" in (check_block_ids(((8,),), 1, 8, 1) or "")
     assert "repeat" in (check_block_ids(((1, 1),), 1, 8, 1) or "")
     assert "groups" in (check_block_ids(((1,), (2,)), 1, 8, 1) or "")
+
+
+def _indices_region_by_region(worker: WorkerLayout, block_ids: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The rule spelled out: region after region, its group's (physical) ids + region * num_blocks."""
+    per_group = [physical_block_ids(ids, worker.physical_per_logical).tolist() for ids in block_ids]
+    found: list[int] = []
+    for index, region in enumerate(worker.regions):
+        if region.group_id < len(per_group):
+            found.extend(block + index * worker.num_blocks for block in per_group[region.group_id])
+    return found
+
+
+def test_descriptor_indices_follow_the_region_rule_for_every_group_shape() -> None:
+    """Hybrid models: regions of several KV cache groups, interleaved, requests naming fewer
+    groups than the worker has, groups of different lengths, empty groups, 2 physical per logical."""
+    rng = np.random.default_rng(7)
+    for groups_of_regions in ([0] * 56, [0, 1] * 6, [0, 0, 1, 2, 1, 0], [1, 0]):
+        for ratio in (1, 2):
+            regions = tuple(RegionLayout(f"r{i}", 1 << 20, 64, 64, g) for i, g in enumerate(groups_of_regions))
+            worker = WorkerLayout(0, 0, regions, 64 * ratio, ratio, 16, "NHD", 1, 1, False)
+            num_groups = max(groups_of_regions) + 1
+            for named in range(1, num_groups + 1):
+                for lengths in ([3] * named, [0, *[2] * (named - 1)], list(range(1, named + 1))):
+                    ids = tuple(tuple(int(b) for b in rng.permutation(64)[:n]) for n in lengths)
+                    assert descriptor_indices(worker, ids).tolist() == _indices_region_by_region(worker, ids)
+
+
+def test_equal_tp_sizes_notify_each_target_once_and_leave_none_unpaired() -> None:
+    from sidecar.dataplane.plan.tp import unpaired_targets
+
+    for tp in (1, 2, 4, 8):
+        for is_mla in (False, True):
+            counted = [
+                sum(1 for rank in range(tp) for p in pairings(tp, tp, rank, is_mla) if p.target_rank == target)
+                for target in range(tp)
+            ]
+            assert [expected_notifications(tp, tp, target, is_mla) for target in range(tp)] == counted == [1] * tp
+            assert unpaired_targets(tp, tp, is_mla) == []
+
+
+def test_descriptor_indices_refuse_bad_ids_alike_in_short_and_long_lists() -> None:
+    """Short lists are checked in Python, long ones (a request of many blocks) in bulk: the same
+    indices and the same refusals, naming the largest id out of range."""
+    worker = layout(num_blocks=4096, regions=3)
+    for count in (3, 63, 64, 1024):
+        ids = tuple(range(10, 10 + count))
+        assert descriptor_indices(worker, (ids,)).tolist() == _indices_region_by_region(worker, (ids,))
+        past = 4096 + count
+        with pytest.raises(PlanError, match=rf"^group 0: block id {past} is out of range \(the engine has 4096"):
+            descriptor_indices(worker, ((*ids, past),))
+        with pytest.raises(PlanError, match=r"^group 0: block ids repeat$"):
+            descriptor_indices(worker, ((*ids, ids[-1]),))

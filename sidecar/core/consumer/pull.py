@@ -158,7 +158,7 @@ class PullReader:
         give_up: float,
     ) -> TransferOutcome:
         ctx = self._ctx
-        ctx.metrics.pull_reads.labels(checked_by="voucher" if clearance.vouched else "producer").inc()
+        ctx.metrics.child(ctx.metrics.pull_reads, "voucher" if clearance.vouched else "producer").inc()
         # The READ must end while the producer still holds the blocks for certain.
         window = min(give_up, clearance.until) - time.monotonic()
         pending.transferring = True
@@ -207,7 +207,7 @@ class PullReader:
             return
         if outcome.ok:
             pending.received = True
-            ctx.metrics.request_duration.labels(mode="pull", side="consumer").observe(
+            ctx.metrics.child(ctx.metrics.request_duration, "pull", "consumer").observe(
                 time.monotonic() - pending.created
             )
             if expected is not None:

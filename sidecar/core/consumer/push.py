@@ -160,7 +160,7 @@ class PushReceiver:
         )
         if pending.notices.complete(self._ctx.registry.agent_names(pending.engine_id)):
             pending.received = True
-            self._ctx.metrics.request_duration.labels(mode="push", side="consumer").observe(
+            self._ctx.metrics.child(self._ctx.metrics.request_duration, "push", "consumer").observe(
                 time.monotonic() - pending.created
             )
             if self._integrity.applies(pending):

@@ -23,7 +23,10 @@ Descriptor order is region-major: index = region_index * num_blocks + physical_b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import numpy as np
 
 # Layouts where a block's bytes are grouped by KV head, so a contiguous byte slice of a block is
 # a contiguous range of heads (vLLM forces "HND" for NIXL). The shim names vLLM's CPU backend
@@ -66,6 +69,22 @@ class WorkerLayout:
     device_id: int = 0
     head_size: int = 0  # 0: not stated
     dtype: str = ""  # "": not stated
+
+    # Derived once per layout (a layout is immutable; these are read on every request's plan).
+    @functools.cached_property
+    def num_groups(self) -> int:
+        """The KV cache groups its regions hold (1 + the largest group id)."""
+        return 1 + max((region.group_id for region in self.regions), default=0)
+
+    @functools.cached_property
+    def region_groups(self) -> np.ndarray:
+        """Each region's group id, in region order."""
+        return np.fromiter((region.group_id for region in self.regions), dtype=np.int64, count=len(self.regions))
+
+    @functools.cached_property
+    def region_starts(self) -> np.ndarray:
+        """Each region's first descriptor index in a view (``region * num_blocks``), as a column."""
+        return (np.arange(len(self.regions), dtype=np.int64) * self.num_blocks)[:, None]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ def expected_notifications(initiator_tp: int, target_tp: int, target_rank: int, 
     MLA with a larger target TP leaves some target ranks without a transfer; the initiator sends
     them a bare notification so they count one as well.
     """
+    if initiator_tp == target_tp:
+        return 1  # rank r pairs with rank r (the common case: no per-request scan)
     count = sum(
         1
         for rank in range(initiator_tp)
@@ -45,6 +47,8 @@ def expected_notifications(initiator_tp: int, target_tp: int, target_rank: int, 
 
 def unpaired_targets(initiator_tp: int, target_tp: int, is_mla: bool) -> list[int]:
     """Target ranks no initiator transfers to (they get a bare notification from rank 0)."""
+    if initiator_tp == target_tp:
+        return []
     reached = {
         pairing.target_rank
         for rank in range(initiator_tp)
