@@ -51,19 +51,29 @@ def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
 
     Raises PlanError for an id past the worker's blocks or listed twice: requests are validated
     before they get here, and this keeps a descriptor from ever landing outside the named blocks
-    (an id past the end would select the next region's blocks)."""
+    (an id past the end would select the next region's blocks). In bulk (numpy): a request names
+    hundreds to thousands of blocks, and per-id Python (max, set, a part per region) cost 38 us a
+    side for 1,024 blocks in one region and 180 us in 32."""
     limit = worker.num_blocks // max(worker.physical_per_logical, 1)
+    per_group = []
     for group, ids in enumerate(block_ids):
-        if ids and max(ids) >= limit:
-            raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")
-        if len(set(ids)) != len(ids):
-            raise PlanError(f"group {group}: block ids repeat")
-    per_group = [physical_block_ids(ids, worker.physical_per_logical) for ids in block_ids]
-    parts = []
-    for region_index, region in enumerate(worker.regions):
-        if region.group_id >= len(per_group):
-            continue
-        parts.append(per_group[region.group_id] + region_index * worker.num_blocks)
-    if not parts:
+        logical = np.asarray(ids, dtype=np.int64)
+        if len(logical):
+            ordered = np.sort(logical)
+            if ordered[-1] >= limit:
+                raise PlanError(
+                    f"group {group}: block id {ordered[-1]} is out of range (the engine has {limit} blocks)"
+                )
+            if (ordered[1:] == ordered[:-1]).any():
+                raise PlanError(f"group {group}: block ids repeat")
+        per_group.append(physical_block_ids(logical, worker.physical_per_logical))
+    regions = [
+        (index, region.group_id) for index, region in enumerate(worker.regions) if region.group_id < len(per_group)
+    ]
+    if not regions:
         return np.empty(0, dtype=np.int32)
+    if len(per_group) == 1:  # one KV cache group (the common case): every region at once
+        starts = np.array([index for index, _ in regions], dtype=np.int64) * worker.num_blocks
+        return (starts[:, None] + per_group[0][None, :]).ravel().astype(np.int32)
+    parts = [per_group[group] + index * worker.num_blocks for index, group in regions]
     return np.concatenate(parts).astype(np.int32)
