@@ -28,9 +28,11 @@ _CONNECT_DELAY_S = 0.01
 # side's control path takes about as long from one request to the next: at 100 req/s a wait lasted
 # ~1.7 ms, of which the hot cadence spent ~1.2 ms polling for nothing (13-22 wake-ups per request).
 # So while a wait is younger than the shortest of the last _WAIT_SAMPLES waits less _QUIET_MARGIN_S
-# (twice the flush-to-notification gap), the owner thread polls at QUIET_DELAY_S; an earlier
-# transfer is seen at most that much later, and it shortens the next quiet part.
-QUIET_DELAY_S = 0.0003
+# (twice the flush-to-notification gap), the owner thread polls at QUIET_DELAY_S, the warm cadence
+# (never slower than it polled before): an earlier transfer is seen at most that much later, and
+# it shortens the next quiet part. Not slower: a large transfer's chunks need the waiting side's
+# polls (each chunk's flush) long before its notification; 0.3 ms read 16 MiB rows no better.
+QUIET_DELAY_S = _WARM_DELAY_S
 _QUIET_MARGIN_S = 0.0005
 _WAIT_SAMPLES = 16
 _MIN_WAIT_SAMPLES = 4
