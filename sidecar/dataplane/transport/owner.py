@@ -243,7 +243,7 @@ class NixlTransport:
                 now = time.monotonic()
                 timeout = MIN_DELAY_S if now - last_activity < HOT_WINDOW_S else delay
                 if not (self._in_flight or self._stuck or self._splits or now < self._warm_until):
-                    timeout = self._waits.delay(timeout, now)  # only waiting: quiet until it may come
+                    timeout = self._waits.delay(timeout, now, self._settings.poll_interval_max_ms / 1000.0)
                 try:
                     item = self._commands.get(timeout=timeout)
                 except queue.Empty:
