@@ -26,7 +26,7 @@ def view_descriptors(worker: WorkerLayout, view: Slice) -> np.ndarray:
     return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
 
 
-def physical_block_ids(logical: Sequence[int], physical_per_logical: int) -> np.ndarray:
+def physical_block_ids(logical: Sequence[int] | np.ndarray, physical_per_logical: int) -> np.ndarray:
     """Expand logical block ids to kernel (physical) ids: b -> [b*n, ..., b*n + n - 1]."""
     ids = np.asarray(logical, dtype=np.int64)
     if physical_per_logical == 1:
