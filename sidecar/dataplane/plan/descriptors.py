@@ -60,7 +60,7 @@ def descriptor_indices(worker: WorkerLayout, block_ids: BlockIds) -> np.ndarray:
     per_group = []
     for group, ids in enumerate(block_ids):
         # A few ids: Python's max and set cost less than numpy's set-up; many (a request of
-        # thousands of blocks): sorted in bulk (as branch ownerpath's 047c205 does).
+        # thousands of blocks): checked in bulk on the sorted array.
         if len(ids) < _BULK_IDS:
             if ids and max(ids) >= limit:
                 raise PlanError(f"group {group}: block id {max(ids)} is out of range (the engine has {limit} blocks)")

@@ -63,6 +63,31 @@ class Split:
         return self.failure is None and (self.posted < self.chunks - 1 or self.outstanding == 0)
 
 
+def split_of(
+    spec: Any, owner: Any, future: Any, sizes: np.ndarray, make: Callable[[Any, bytes], Any], limit: int
+) -> Split | None:
+    """A ``Split`` of the transfer ``spec`` (a ``TransferSpec`` or ``RunsSpec``) over descriptors
+    whose byte lengths are ``sizes``, cut at every ``limit`` bytes (``make(rows, notification)``
+    creates the handle of a chunk of rows; only the last carries ``spec.notification``), or None
+    when one post is enough."""
+    rows = chunk_rows(sizes, limit)
+    if rows is None:
+        return None
+    last = len(rows) - 1
+    notification = spec.notification
+    return Split(
+        owner,
+        spec.agent_name,
+        spec.remote.name,
+        spec.op,
+        spec.deadline,
+        spec.not_after,
+        future,
+        lambda index: make(rows[index], notification if index == last else b""),
+        len(rows),
+    )
+
+
 # Posts chunk ``index`` of a split (makes its handle and hands it to NIXL); raises only when the
 # handle cannot be made (a failed post reaches ``ChunkScheduler.chunk_done`` instead).
 PostChunk = Callable[[Split, int], None]

@@ -15,8 +15,9 @@ Threads:
   progress thread is disabled (with NIXL's hard-coded zero delay it spins a core per agent), so
   this thread drives progress: while anything is in flight or expected it polls transfer states
   and notifications, right away after activity and backing off to ``poll_interval_max``
-  (``next_poll_delay``; 10 ms when it only lets a peer that just handshaked wire up); with
-  nothing in flight it blocks on the command queue and uses no CPU.
+  (``next_poll_delay``; 10 ms when it only lets a peer that just handshaked wire up), and slower
+  while it only waits for a notification that recent waits say cannot have come yet
+  (``polling.NotificationWaits``); with nothing in flight it blocks on the command queue.
 - Transfer results and notifications reach the loop through the outbox, flushed after each
   command and poll: one ``loop.call_soon_threadsafe`` per delivery, none while one is pending.
 
@@ -66,11 +67,11 @@ from sidecar.dataplane.contract import (
 )
 from sidecar.dataplane.priority import PostPriority, name_thread
 from sidecar.dataplane.transport.agents import LOCAL, Agent
-from sidecar.dataplane.transport.chunks import ChunkScheduler, Split, chunk_rows
+from sidecar.dataplane.transport.chunks import ChunkScheduler, Split, split_of
 from sidecar.dataplane.transport.handoff import LoopOutbox
 from sidecar.dataplane.transport.inflight import Post
 from sidecar.dataplane.transport.loader import load_nixl, new_agent
-from sidecar.dataplane.transport.polling import HOT_WINDOW_S, MIN_DELAY_S, next_poll_delay
+from sidecar.dataplane.transport.polling import HOT_WINDOW_S, MIN_DELAY_S, NotificationWaits, next_poll_delay
 from sidecar.logs import get_logger
 
 log = get_logger("kvsidecar.transport")
@@ -121,6 +122,7 @@ class NixlTransport:
         self._splits = ChunkScheduler(self._end_split)  # transfers with chunks left to post
         self._ids = itertools.count()
         self._expecting = 0
+        self._waits = NotificationWaits()  # when each expected notification's wait began; how long they last
         self._warm_until = 0.0
         self._thread: threading.Thread | None = None
         self._post_priority = PostPriority(settings.post_priority)
@@ -207,6 +209,7 @@ class NixlTransport:
         the loop thread writes the count; a rise wakes the owner thread (``_WAKE``), a fall does
         not: the owner thread sees it at its next poll."""
         self._expecting = max(0, self._expecting + delta)
+        self._waits.change(delta, time.monotonic())
         if delta > 0:
             self._commands.put(_WAKE)
 
@@ -237,9 +240,12 @@ class NixlTransport:
                 item = self._next_command()  # a last chunk waits for its earlier chunks' DONE, due now
             else:
                 self._post_priority.lower()
-                hot = time.monotonic() - last_activity < HOT_WINDOW_S
+                now = time.monotonic()
+                timeout = MIN_DELAY_S if now - last_activity < HOT_WINDOW_S else delay
+                if not (self._in_flight or self._stuck or self._splits or now < self._warm_until):
+                    timeout = self._waits.delay(timeout, now, self._settings.poll_interval_max_ms / 1000.0)
                 try:
-                    item = self._commands.get(timeout=MIN_DELAY_S if hot else delay)
+                    item = self._commands.get(timeout=timeout)
                 except queue.Empty:
                     item = _NOTHING
             worked = False
@@ -314,7 +320,9 @@ class NixlTransport:
                     notifications.append((name, bytes(message)))
         if notifications:
             progressed = True
-            self._outbox.notifications(notifications, time.monotonic())
+            seen = time.monotonic()
+            self._outbox.notifications(notifications, seen)
+            self._waits.seen(seen)
         now = time.monotonic()
         for xfer_id, xfer in list(self._in_flight.items()):
             owner = self._agents.get(xfer.agent_name)
@@ -364,33 +372,6 @@ class NixlTransport:
         self._complete(xfer.future, result)
 
     # --- split transfers (owner thread; the scheduling itself is chunks.ChunkScheduler) -----------
-
-    def _split(
-        self,
-        state: Agent,
-        spec: TransferSpec | RunsSpec,
-        future: _Waiter,
-        sizes: np.ndarray,
-        make: _Make,
-    ) -> Split | None:
-        """A ``Split`` over the descriptors whose byte lengths are ``sizes`` (``make(rows,
-        notification)`` creates the handle of a chunk of rows), or None when one post is enough."""
-        rows = chunk_rows(sizes, self._settings.max_post_bytes)
-        if rows is None:
-            return None
-        last = len(rows) - 1
-        notification = spec.notification
-        return Split(
-            state,
-            spec.agent_name,
-            spec.remote.name,
-            spec.op,
-            spec.deadline,
-            spec.not_after,
-            future,
-            lambda index: make(rows[index], notification if index == last else b""),
-            len(rows),
-        )
 
     def _start_split(self, split: Split) -> object:
         self._splits.add(split)
@@ -515,7 +496,7 @@ class NixlTransport:
         try:
             self._ensure_remote(spec.agent_name, state, spec.remote)
             sizes, make = setup(state)
-            split = self._split(state, spec, future, sizes, make)
+            split = split_of(spec, state, future, sizes, make, self._settings.max_post_bytes)
             if split is not None:
                 split.observed = observed
                 return self._start_split(split)
