@@ -14,14 +14,17 @@ BlockIdsLike = Sequence[Sequence[int]]
 def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
     """vLLM's block ids (one sequence per KV cache group) as the proto message; ``block_ids_of``
     is its inverse. The shim's one converter each way between the two."""
-    if block_ids is None:
-        return common_pb2.GroupedBlockIds()
-    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in block_ids])
+    message = common_pb2.GroupedBlockIds()
+    if block_ids is not None:
+        for group in block_ids:
+            # Filled in place: a BlockIdList built first would be copied into the message again.
+            message.groups.add().ids.extend(group)
+    return message
 
 
 def block_ids_of(message: common_pb2.GroupedBlockIds) -> tuple[tuple[int, ...], ...]:
     """The proto message as vLLM-style block ids, one tuple per KV cache group (``grouped``'s inverse)."""
-    return tuple(tuple(group.ids) for group in message.groups)
+    return tuple(tuple(group.ids[:]) for group in message.groups)
 
 
 def remote(

