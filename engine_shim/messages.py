@@ -6,25 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The shim's converters between vLLM's block ids and the proto, shared with the sidecar.
+from kvsidecar.block_ids import BlockIdsLike as BlockIdsLike
+from kvsidecar.block_ids import block_ids_of as block_ids_of
+from kvsidecar.block_ids import grouped as grouped
 from kvsidecar.v1 import common_pb2, engine_pb2
-
-BlockIdsLike = Sequence[Sequence[int]]
-
-
-def grouped(block_ids: BlockIdsLike | None) -> common_pb2.GroupedBlockIds:
-    """vLLM's block ids (one sequence per KV cache group) as the proto message; ``block_ids_of``
-    is its inverse. The shim's one converter each way between the two."""
-    message = common_pb2.GroupedBlockIds()
-    if block_ids is not None:
-        for group in block_ids:
-            # Filled in place: a BlockIdList built first would be copied into the message again.
-            message.groups.add().ids.extend(group)
-    return message
-
-
-def block_ids_of(message: common_pb2.GroupedBlockIds) -> tuple[tuple[int, ...], ...]:
-    """The proto message as vLLM-style block ids, one tuple per KV cache group (``grouped``'s inverse)."""
-    return tuple(tuple(group.ids[:]) for group in message.groups)
 
 
 def remote(

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvsidecar.block_ids import block_ids_of
 from kvsidecar.v1 import common_pb2, engine_pb2
 from sidecar import PROTOCOL_VERSION
 from sidecar.dataplane.memory import ExportSpec
@@ -44,8 +45,7 @@ def block_ids(message: common_pb2.GroupedBlockIds, field: str, max_blocks: int, 
     total = sum(len(group.ids) for group in message.groups)
     if total > max_blocks:
         raise InvalidArgument(field, f"lists {total} blocks, more than the limit of {max_blocks}")
-    # ids[:] is one C copy to a list: tuple() over the repeated field itself iterates it in Python (1.5x).
-    blocks = tuple(tuple(group.ids[:]) for group in message.groups)
+    blocks = block_ids_of(message)
     for index, ids in enumerate(blocks):
         repeated = first_repeat(ids)
         if repeated is not None:

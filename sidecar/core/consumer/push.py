@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvsidecar.block_ids import grouped
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.config import split_host_port
 from sidecar.core import validation
 from sidecar.core.consumer.fences import PushFences
 from sidecar.core.consumer.integrity import DigestCheck
 from sidecar.core.consumer.keepalive import KeepAlive
-from sidecar.core.consumer.table import ConsumerRequest, ConsumerTable, RequestKey, grouped, log
+from sidecar.core.consumer.table import ConsumerRequest, ConsumerTable, RequestKey, log
 from sidecar.core.context import NodeContext
 from sidecar.core.registry import Engine, Worker
 from sidecar.core.trace import notice_handoff

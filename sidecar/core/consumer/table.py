@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvsidecar.block_ids import block_ids_of
 from kvsidecar.v1 import common_pb2, engine_pb2, peer_pb2
 from sidecar.core import validation
 from sidecar.core.admission import Ticket
@@ -132,15 +133,8 @@ def named_blocks(item: Waiting) -> BlockIds:
     """The producer blocks a pull would read (empty for a push: the producer picks its own)."""
     if not item.reads_remote:
         return ()
-    named = tuple(tuple(group.ids[:]) for group in item.remote.block_ids.groups)
+    named = block_ids_of(item.remote.block_ids)
     return named if any(named) else ()
-
-
-def grouped(blocks: BlockIds) -> common_pb2.GroupedBlockIds:
-    message = common_pb2.GroupedBlockIds()
-    for group in blocks:
-        message.groups.add().ids.extend(group)  # in place: no BlockIdList copied in afterwards
-    return message
 
 
 class ConsumerTable:
