@@ -146,19 +146,24 @@ def test_kv_transfer_params_carry_the_voucher_and_bad_ones_are_ignored() -> None
 
 
 def test_a_vouched_pull_from_a_hung_producer_sidecar_ends_by_the_voucher(sidecars, engines) -> None:
-    """A stopped producer sidecar answers nothing, and a READ that needs it never completes: the
-    pull fails once the voucher's bound (its time less the skew allowance) passes, never later
-    and never as a success; the producer, resumed, frees its blocks. Over UCX's tcp transport
-    the READ needs the producer's progress, as between hosts without RDMA; on one host UCX may
-    pick CMA instead, where the kernel reads a stopped process's memory and the READ may finish."""
+    """A stopped producer sidecar answers nothing: the pull ends by the voucher's bound (its time
+    less the skew allowance), never later. It fails at that deadline with nothing reported read,
+    or, since a READ is one-sided and the voucher holds the blocks, completes with P's exact bytes
+    (UCX's tcp transport needs the producer's progress for a READ, yet CI saw one complete once);
+    the producer, resumed, frees its blocks."""
     producer, consumer, p_side, _ = _pair(sidecars, engines, env={"UCX_TLS": "tcp"})
     key, until_ms = _vouched_submit(producer, "v5", [12, 13], seconds=3.0)
     signed = voucher.sign(key, "P", "v5", [[12, 13]], until_ms)
     with stopped(p_side):
         started = time.monotonic()
         event = _pull(consumer, producer, "v5-d", [36, 37], "v5", [12, 13], signed, until_ms)
-        assert event["event"] == "LOAD_FAILED" and "deadline" in event["reason"], event
         assert time.monotonic() - started < 3.0 + 1.0  # the voucher's 3 s (less the skew), and slack
+    if event["event"] == "LOAD_FAILED":
+        assert "deadline" in event["reason"] and sorted(event["failed_block_ids"]) == [36, 37], event
+    else:
+        assert event["event"] == "FINISHED_RECEIVING", event
+        p_kv, d_kv = kv(producer.buffers[0], 2, 64, 4096), kv(consumer.buffers[0], 2, 64, 4096)
+        assert np.array_equal(p_kv[:, [12, 13]], d_kv[:, [36, 37]])
     assert producer.wait_event("v5", 10)[0]["event"] in ("FINISHED_SENDING", "LEASE_EXPIRED")
 
 
