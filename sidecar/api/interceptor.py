@@ -39,7 +39,6 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: SidecarMetrics) -> None:
         self._metrics = metrics
-        self._counters: dict[tuple[str, str, grpc.StatusCode], Any] = {}
         # Method -> (the servicer's handler, our wrapper of it).
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
@@ -147,11 +146,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 self._count(service, method, code)
 
     def _count(self, service: str, method: str, code: grpc.StatusCode) -> None:
-        counter = self._counters.get((service, method, code))
-        if counter is None:
-            counter = self._metrics.rpc_requests.labels(service=service, method=method, code=code.name)
-            self._counters[(service, method, code)] = counter
-        counter.inc()
+        self._metrics.child(self._metrics.rpc_requests, service, method, code.name).inc()
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:

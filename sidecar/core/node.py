@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from kvsidecar.v1 import engine_pb2, peer_pb2
 from sidecar.config import Settings
@@ -68,7 +67,6 @@ class Node:
         self.settings = settings
         self.transport: Transport = transport_factory(settings.nixl, self._on_notifications, self._on_xfer_done)
         self.metrics = metrics or SidecarMetrics(self.transport.nixl_version)
-        self._stage_children: dict[tuple[str, str, str], Any] = {}  # (side, mode, stage) -> histogram child
         self.registry = Registry()
         self.identity = Identity(settings, self.transport.nixl_version, self.registry)
         self.tasks = Tasks(settings)
@@ -240,16 +238,9 @@ class Node:
             self._record_stages(ended)
 
     def _record_stages(self, timeline: Timeline) -> None:
-        # The labelled children are looked up once (labels() takes a lock and builds keys).
-        mode = mode_of(timeline)
+        metrics, mode = self.metrics, mode_of(timeline)
         for stage, seconds in stage_durations(timeline).items():
-            key = (timeline.side, mode, stage)
-            child = self._stage_children.get(key)
-            if child is None:
-                child = self._stage_children[key] = self.metrics.request_stage.labels(
-                    side=timeline.side, mode=mode, stage=stage
-                )
-            child.observe(seconds)
+            metrics.child(metrics.request_stage, timeline.side, mode, stage).observe(seconds)
 
     def _on_xfer_done(self, op: str, result: TransferResult, path: str = "nixl") -> None:
         # Runs on the transport thread (or the loop, for the data plane's own paths);

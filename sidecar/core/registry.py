@@ -152,7 +152,7 @@ class Engine:
         first = next(iter(self.workers.values()), None)
         if first is None:
             return 0
-        return 1 + max((region.group_id for region in first.layout.regions), default=0)
+        return first.layout.num_groups
 
     @property
     def num_blocks(self) -> int:
